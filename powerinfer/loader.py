@@ -1,0 +1,80 @@
+"""From a path (or nothing: the embedded default model) to a runnable model + tokenizer."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .errors import BadArgumentError, ModelFileError
+from .formats.gguf import GGUF_MAGIC, open_gguf
+from .formats.hf import open_hf_dir
+from .models import family_module
+from .models.base import Model, ModelArgs
+from .paths import default_model_path
+from .tokenizer import Tokenizer, load_tokenizer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to generate: weights, tokenizer (None when the checkpoint has none)."""
+
+    model: Model
+    tokenizer: Tokenizer | None
+    path: str
+
+    @property
+    def args(self) -> ModelArgs:
+        return self.model.args
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise BadArgumentError(f"unknown dtype {name!r} (choose {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def resolve_model_path(path: str | None) -> str:
+    """The model path as given, or the embedded default; refuse what is not a model."""
+    if path is None:
+        return default_model_path()
+    if not os.path.exists(path):
+        raise ModelFileError(f"{path}: no such file or directory")
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            if f.read(4) != GGUF_MAGIC:
+                raise ModelFileError(f"{path}: not a GGUF file or HF model directory")
+    return path
+
+
+def read_model(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor | None]]:
+    """Model arguments and canonical fp32 state dict of a GGUF file or HF directory."""
+    if os.path.isdir(path):
+        ckpt = open_hf_dir(path)
+        family = family_module(str(ckpt.config.get("model_type", "")))
+        args = family.args_from_hf(ckpt.config)
+        return args, family.state_from_hf(ckpt, args)
+    g = open_gguf(path)
+    family = family_module(g.architecture, gguf=True)
+    args = family.args_from_gguf(g)
+    return args, family.state_from_gguf(g, args)
+
+
+def load(path: str | None = None, dtype: str | torch.dtype = "fp32", threads: int | None = None,
+         with_tokenizer: bool = True) -> LoadedModel:
+    """Load a model for generation. `path`: .gguf file, HF directory, or None for the default."""
+    if threads is not None:
+        if threads < 1:
+            raise BadArgumentError("threads must be >= 1")
+        torch.set_num_threads(threads)
+    path = resolve_model_path(path)
+    torch_dtype = parse_dtype(dtype)
+    args, state = read_model(path)
+    model = Model(args, state, torch_dtype)
+    tokenizer = load_tokenizer(path, args.eos_token_ids) if with_tokenizer else None
+    return LoadedModel(model=model, tokenizer=tokenizer, path=path)

@@ -1,0 +1,278 @@
+"""The one decoder-only transformer every family runs on, and its arguments.
+
+Family modules (llama.py, opt.py, ...) only translate a checkpoint into `ModelArgs` and a
+canonical state dict; the forward pass lives here once. Conventions of the canonical state:
+
+* Q and K rows are in the *interleaved* RoPE layout (pairs (2i, 2i+1) rotate together, as in
+  GGUF and Meta's checkpoints). HF checkpoints use the half-split layout; families permute
+  them on load. Attention scores are unchanged because q and k get the same permutation, and
+  the interleaved layout lets RoPE be one complex multiply.
+* Q, K and V are fused into one matrix `wqkv` (rows: all q heads, all k heads, all v heads),
+  so attention costs one GEMV for the three projections.
+* Every FFN is an `engine.ffn.FFN` object, the single place the sparse engine plugs into.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..engine.cache import KVCache
+from ..engine.ffn import FFN, DenseFFN
+
+
+@dataclass
+class ModelArgs:
+    """Shape and options of a decoder-only model, independent of the checkpoint format."""
+
+    family: str
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    max_seq_len: int
+    norm: str = "rms"  # "rms" | "layer"
+    norm_eps: float = 1e-5
+    position: str = "rope"  # "rope" | "learned"
+    rope_inv_freq: list[float] | None = None  # per rotary pair, scaling already applied
+    rope_attention_factor: float = 1.0
+    learned_pos_offset: int = 0  # OPT stores positions from 2
+    act: str = "silu"
+    gated_ffn: bool = True
+    up_act: str | None = None  # Bamboo-style ReLU on the up projection as well
+    parallel_block: bool = False  # attention and FFN read the same input (Falcon)
+    pre_norm: bool = True  # False: post-norm (OPT-350m)
+    tie_embeddings: bool = False
+    embed_dim: int | None = None  # OPT word_embed_proj_dim when it differs from d_model
+    final_norm: bool = True
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+
+@dataclass
+class Norm:
+    """RMSNorm or LayerNorm with optional weight and bias."""
+
+    kind: str
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    eps: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "layer":
+            return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        # As HF Llama: normalise in fp32, cast back, then scale.
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = y.to(x.dtype)
+        return y * self.weight if self.weight is not None else y
+
+
+@dataclass
+class Attention:
+    """Fused-QKV multi-head attention with grouped KV heads."""
+
+    wqkv: torch.Tensor
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+
+
+@dataclass
+class Layer:
+    attn_norm: Norm
+    attn: Attention
+    ffn_norm: Norm | None  # None in a parallel block that shares attn_norm
+    ffn: FFN
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> list[float]:
+    """Default RoPE frequencies: theta^(-2i/d) for each rotary pair i."""
+    return [1.0 / theta ** (2 * i / head_dim) for i in range(head_dim // 2)]
+
+
+def half_split_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Permute q/k rows from HF's half-split RoPE layout to the interleaved one (as llama.cpp)."""
+    shape = w.shape
+    head_dim = shape[0] // n_heads
+    return w.reshape(n_heads, 2, head_dim // 2, *shape[1:]).transpose(1, 2).reshape(shape).contiguous()
+
+
+class Model:
+    """A loaded model: weights in the compute dtype and the forward pass.
+
+    `forward(tokens, cache)` appends `tokens` at position `cache.length` and returns logits,
+    for the last token only unless `all_logits` (tests and perplexity need all).
+    """
+
+    def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype):
+        self.args = args
+        self.dtype = dtype
+
+        def get(name: str) -> torch.Tensor | None:
+            t = state.get(name)
+            return None if t is None else t.to(dtype).contiguous()
+
+        def norm(prefix: str) -> Norm | None:
+            w, b = get(prefix + ".weight"), get(prefix + ".bias")
+            if w is None and b is None:
+                return None
+            return Norm(args.norm, w, b, args.norm_eps)
+
+        self.embed = get("embed")
+        self.pos_embed = get("pos_embed")
+        self.project_in = get("project_in")
+        self.project_out = get("project_out")
+        self.final_norm = norm("final_norm") if args.final_norm else None
+        self.lm_head = self.embed if args.tie_embeddings else get("lm_head")
+        self.layers: list[Layer] = []
+        for i in range(args.n_layers):
+            p = f"layers.{i}."
+            attn_norm = norm(p + "attn_norm")
+            assert attn_norm is not None, f"missing {p}attn_norm"
+            ffn = DenseFFN(
+                w_in=get(p + "ffn.w_in"),
+                b_in=get(p + "ffn.b_in"),
+                w_out=get(p + "ffn.w_out"),
+                b_out=get(p + "ffn.b_out"),
+                act=args.act,
+                gated=args.gated_ffn,
+                up_act=args.up_act,
+            )
+            attn = Attention(get(p + "wqkv"), get(p + "bqkv"), get(p + "wo"), get(p + "bo"))
+            self.layers.append(Layer(attn_norm, attn, norm(p + "ffn_norm"), ffn))
+        self._rope = torch.empty(0, dtype=torch.complex64)
+
+    # -- positions -----------------------------------------------------------------------
+    def rope_table(self, length: int) -> torch.Tensor:
+        """Complex rotations e^{i p w} for positions [0, length), grown on demand."""
+        if self._rope.shape[0] < length:
+            length = max(length, 2 * self._rope.shape[0])
+            # fp32 angles, as transformers computes them, so logits match the oracle closely.
+            inv_freq = torch.tensor(self.args.rope_inv_freq, dtype=torch.float32)
+            angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+            self._rope = torch.polar(torch.full_like(angles, self.args.rope_attention_factor), angles)
+        return self._rope
+
+    def new_cache(self, max_len: int) -> KVCache:
+        """A KV cache for up to `max_len` positions, in CPU memory."""
+        a = self.args
+        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len, self.dtype)
+
+    # -- forward -------------------------------------------------------------------------
+    def embed_tokens(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        x = F.embedding(tokens, self.embed)
+        if self.project_in is not None:
+            x = F.linear(x, self.project_in)
+        if self.pos_embed is not None:
+            pos = torch.arange(start, start + tokens.shape[0]) + self.args.learned_pos_offset
+            x = x + F.embedding(pos, self.pos_embed)
+        return x
+
+    def attention(self, layer_idx: int, attn: Attention, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        a = self.args
+        T = x.shape[0]
+        qkv = F.linear(x, attn.wqkv, attn.bqkv)
+        q = qkv[:, : a.q_dim].view(T, a.n_heads, a.head_dim)
+        k = qkv[:, a.q_dim : a.q_dim + a.kv_dim].view(T, a.n_kv_heads, a.head_dim)
+        v = qkv[:, a.q_dim + a.kv_dim :].view(T, a.n_kv_heads, a.head_dim)
+        if a.position == "rope":
+            rot = self.rope_table(start + T)[start : start + T, None, :]
+            q = _rotate(q, rot)
+            k = _rotate(k, rot)
+        keys, values = cache.update(layer_idx, start, k, v)
+        S = start + T
+        mask = None
+        if T > 1 and start > 0:
+            mask = torch.arange(S)[None, :] <= (start + torch.arange(T))[:, None]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=mask,
+            is_causal=T > 1 and start == 0,
+            enable_gqa=a.n_heads != a.n_kv_heads,
+        )
+        out = out[0].transpose(0, 1).reshape(T, a.q_dim)
+        return F.linear(out, attn.wo, attn.bo)
+
+    def block(self, i: int, layer: Layer, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        if not self.args.pre_norm:  # OPT post-norm: norm after each residual add
+            x = layer.attn_norm(x + self.attention(i, layer.attn, x, cache, start))
+            assert layer.ffn_norm is not None
+            return layer.ffn_norm(layer.ffn(x, residual=x))
+        h = layer.attn_norm(x)
+        attn_out = self.attention(i, layer.attn, h, cache, start)
+        if self.args.parallel_block:
+            ffn_in = h if layer.ffn_norm is None else layer.ffn_norm(x)
+            return layer.ffn(ffn_in, residual=x + attn_out)
+        x = x + attn_out
+        assert layer.ffn_norm is not None
+        return layer.ffn(layer.ffn_norm(x), residual=x)
+
+    def hidden_to_logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        if self.project_out is not None:
+            x = F.linear(x, self.project_out)
+        return F.linear(x, self.lm_head).float()
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
+        """Run `tokens` (1-D LongTensor) after the cache's contents; return fp32 logits.
+
+        Shape: (T, vocab) with `all_logits`, else (vocab,) for the last token.
+        """
+        start = cache.length
+        T = tokens.shape[0]
+        if start + T > cache.max_len:
+            raise ValueError(f"cache holds {cache.max_len} positions, asked for {start + T}")
+        x = self.embed_tokens(tokens, start)
+        for i, layer in enumerate(self.layers):
+            x = self.block(i, layer, x, cache, start)
+        cache.length = start + T
+        if not all_logits:
+            x = x[-1]
+        return self.hidden_to_logits(x)
+
+    def num_parameters(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for t in self.tensors():
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel()
+        return total
+
+    def tensors(self) -> list[torch.Tensor]:
+        out: list[Any] = [self.embed, self.pos_embed, self.project_in, self.project_out, self.lm_head]
+        if self.final_norm is not None:
+            out += [self.final_norm.weight, self.final_norm.bias]
+        for layer in self.layers:
+            out += [layer.attn_norm.weight, layer.attn_norm.bias, layer.attn.wqkv, layer.attn.bqkv]
+            out += [layer.attn.wo, layer.attn.bo]
+            if layer.ffn_norm is not None:
+                out += [layer.ffn_norm.weight, layer.ffn_norm.bias]
+            out += layer.ffn.tensors()
+        return [t for t in out if t is not None]
+
+
+def _rotate(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE to x (T, H, D) in the interleaved layout; rot is (T, 1, D/2) complex."""
+    T, H, D = x.shape
+    xc = torch.view_as_complex(x.float().reshape(T, H, D // 2, 2))
+    return torch.view_as_real(xc * rot).reshape(T, H, D).to(x.dtype)

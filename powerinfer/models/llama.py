@@ -1,0 +1,187 @@
+"""Llama family: Llama 2/3, Mistral, SmolLM2, ReluLLaMA and ProSparse (hidden_act relu),
+and Bamboo-style FFNs with ReLU on the up projection too (config key `up_act`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..errors import UnsupportedModelError
+from ..formats.gguf import GGUFFile
+from ..formats.hf import HFCheckpoint
+from .base import ModelArgs, half_split_to_interleaved, rope_inv_freq
+from .hf_config import config_object, rope_frequencies
+
+MODEL_TYPES = ("llama", "mistral")
+GGUF_ARCHS = ("llama",)
+
+
+def _eos_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def args_from_hf(config: dict[str, Any], family: str = "llama") -> ModelArgs:
+    cfg = config_object(config)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    inv_freq, factor = rope_frequencies(cfg, head_dim)
+    max_len = cfg.max_position_embeddings
+    window = getattr(cfg, "sliding_window", None)
+    if window and getattr(cfg, "use_sliding_window", True):
+        max_len = min(max_len, window)  # beyond the window our full attention would differ
+    if getattr(cfg, "mlp_bias", False):
+        raise UnsupportedModelError("llama mlp_bias=True is not supported")
+    return ModelArgs(
+        family=family,
+        vocab_size=cfg.vocab_size,
+        d_model=cfg.hidden_size,
+        n_layers=cfg.num_hidden_layers,
+        n_heads=cfg.num_attention_heads,
+        n_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
+        head_dim=head_dim,
+        ffn_dim=cfg.intermediate_size,
+        max_seq_len=max_len,
+        norm="rms",
+        norm_eps=cfg.rms_norm_eps,
+        rope_inv_freq=inv_freq,
+        rope_attention_factor=factor,
+        act=cfg.hidden_act,
+        gated_ffn=True,
+        up_act=config.get("up_act"),
+        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        bos_token_id=getattr(cfg, "bos_token_id", None),
+        eos_token_ids=_eos_list(getattr(cfg, "eos_token_id", None)),
+    )
+
+
+def gated_layer_state(i: int, get: Callable[[str], torch.Tensor | None], names: dict[str, str],
+                      args: ModelArgs, permute_qk: bool) -> dict[str, torch.Tensor | None]:
+    """Canonical tensors of one Llama-style layer from per-checkpoint tensor names."""
+    q, k, v = get(names["q"]), get(names["k"]), get(names["v"])
+    bq, bk, bv = get(names["q"] + ".bias_"), get(names["k"] + ".bias_"), get(names["v"] + ".bias_")
+    if permute_qk:
+        q = half_split_to_interleaved(q, args.n_heads)
+        k = half_split_to_interleaved(k, args.n_kv_heads)
+        if bq is not None:
+            bq = half_split_to_interleaved(bq, args.n_heads)
+            bk = half_split_to_interleaved(bk, args.n_kv_heads)
+    p = f"layers.{i}."
+    return {
+        p + "attn_norm.weight": get(names["attn_norm"]),
+        p + "wqkv": torch.cat([q, k, v]),
+        p + "bqkv": None if bq is None else torch.cat([bq, bk, bv]),
+        p + "wo": get(names["o"]),
+        p + "ffn_norm.weight": get(names["ffn_norm"]),
+        p + "ffn.w_in": torch.cat([get(names["gate"]), get(names["up"])]),
+        p + "ffn.w_out": get(names["down"]),
+    }
+
+
+def _hf_getter(ckpt: HFCheckpoint) -> Callable[[str], torch.Tensor | None]:
+    def get(name: str) -> torch.Tensor | None:
+        # "<proj>.bias_" asks for the bias of "<proj>.weight", None when absent.
+        if name.endswith(".bias_"):
+            name = name[: -len(".weight.bias_")] + ".bias"
+            return ckpt.tensor(name) if ckpt.has(name) else None
+        return ckpt.tensor(name)
+
+    return get
+
+
+def state_from_hf(ckpt: HFCheckpoint, args: ModelArgs) -> dict[str, torch.Tensor | None]:
+    get = _hf_getter(ckpt)
+    state: dict[str, torch.Tensor | None] = {
+        "embed": get("model.embed_tokens.weight"),
+        "final_norm.weight": get("model.norm.weight"),
+    }
+    if not args.tie_embeddings:
+        state["lm_head"] = get("lm_head.weight")
+    for i in range(args.n_layers):
+        p = f"model.layers.{i}."
+        names = {
+            "attn_norm": p + "input_layernorm.weight",
+            "q": p + "self_attn.q_proj.weight",
+            "k": p + "self_attn.k_proj.weight",
+            "v": p + "self_attn.v_proj.weight",
+            "o": p + "self_attn.o_proj.weight",
+            "ffn_norm": p + "post_attention_layernorm.weight",
+            "gate": p + "mlp.gate_proj.weight",
+            "up": p + "mlp.up_proj.weight",
+            "down": p + "mlp.down_proj.weight",
+        }
+        state.update(gated_layer_state(i, get, names, args, permute_qk=True))
+        if ckpt.has(p + "self_attn.o_proj.bias"):
+            state[f"layers.{i}.bo"] = ckpt.tensor(p + "self_attn.o_proj.bias")
+    return state
+
+
+# -- GGUF ------------------------------------------------------------------------------------
+def args_from_gguf(g: GGUFFile, family: str = "llama") -> ModelArgs:
+    d = int(g.require("{arch}.embedding_length"))
+    n_heads = int(g.require("{arch}.attention.head_count"))
+    head_dim = int(g.get("{arch}.attention.key_length", d // n_heads))
+    inv_freq = rope_inv_freq(head_dim, float(g.get("{arch}.rope.freq_base", 10000.0)))
+    scaling = g.get("{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        factor = float(g.require("{arch}.rope.scaling.factor"))
+        inv_freq = [f / factor for f in inv_freq]
+    elif scaling not in ("none", None):
+        raise UnsupportedModelError(f"{g.path}: GGUF RoPE scaling {scaling!r} is not supported")
+    if g.has("rope_freqs.weight"):  # Llama 3.1 style per-frequency factors
+        factors = g.tensor("rope_freqs.weight").flatten().tolist()
+        inv_freq = [f / s for f, s in zip(inv_freq, factors)]
+    tokens = g.get("tokenizer.ggml.tokens")
+    vocab = int(g.get("{arch}.vocab_size", len(tokens) if tokens else 0))
+    return ModelArgs(
+        family=family,
+        vocab_size=vocab,
+        d_model=d,
+        n_layers=int(g.require("{arch}.block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(g.get("{arch}.attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        ffn_dim=int(g.require("{arch}.feed_forward_length")),
+        max_seq_len=int(g.get("{arch}.context_length", 2048)),
+        norm="rms",
+        norm_eps=float(g.get("{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_inv_freq=inv_freq,
+        act="silu",
+        tie_embeddings=not g.has("output.weight"),
+        bos_token_id=g.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_eos_list(g.get("tokenizer.ggml.eos_token_id")),
+    )
+
+
+def state_from_gguf(g: GGUFFile, args: ModelArgs, permute_qk: bool = False) -> dict[str, torch.Tensor | None]:
+    """Canonical state of a llama-style GGUF. llama.cpp stores llama's q/k already interleaved;
+    NEOX-rope archs (qwen2) keep HF's half-split layout and need `permute_qk`."""
+
+    def get(name: str) -> torch.Tensor | None:
+        if name.endswith(".bias_"):
+            name = name[: -len(".weight.bias_")] + ".bias"
+            return g.tensor(name) if g.has(name) else None
+        return g.tensor(name)
+
+    state: dict[str, torch.Tensor | None] = {
+        "embed": get("token_embd.weight"),
+        "final_norm.weight": get("output_norm.weight"),
+    }
+    if not args.tie_embeddings:
+        state["lm_head"] = get("output.weight")
+    for i in range(args.n_layers):
+        p = f"blk.{i}."
+        names = {
+            "attn_norm": p + "attn_norm.weight",
+            "q": p + "attn_q.weight",
+            "k": p + "attn_k.weight",
+            "v": p + "attn_v.weight",
+            "o": p + "attn_output.weight",
+            "ffn_norm": p + "ffn_norm.weight",
+            "gate": p + "ffn_gate.weight",
+            "up": p + "ffn_up.weight",
+            "down": p + "ffn_down.weight",
+        }
+        state.update(gated_layer_state(i, get, names, args, permute_qk=permute_qk))
+    return state

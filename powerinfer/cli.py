@@ -1,0 +1,46 @@
+"""`powerinfer SUBCOMMAND ...`: each subcommand is a module with add_arguments() and run().
+
+User errors (PowerInferError) print one line on stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import PowerInferError
+
+SUBCOMMANDS = {
+    "generate": ("powerinfer.commands.generate", "generate text from a prompt"),
+    "chat": ("powerinfer.commands.chat", "interactive multi-turn chat"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="powerinfer", description="PowerInfer-style LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except PowerInferError as e:
+        print(f"powerinfer: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""`powerinfer chat`: an interactive multi-turn conversation on stdin/stdout.
+
+Type a message and press Enter; `/reset` starts over, `/exit` (or end of input) quits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..engine.generate import stream_generate
+from ..errors import BadArgumentError
+from .common import add_model_arguments, add_sampling_arguments, load_from_args, sampling_params
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    add_sampling_arguments(p)
+    p.add_argument("--system", default=None, help="system message")
+
+
+def run(args: argparse.Namespace) -> int:
+    sampling = sampling_params(args)
+    lm = load_from_args(args)
+    tok = lm.tokenizer
+    if tok is None or not tok.has_chat_template:
+        raise BadArgumentError(f"{lm.path}: the model has no chat template")
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    interactive = sys.stdin.isatty()
+    print("chat ready: /reset to start over, /exit to quit", file=sys.stderr)
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text == "/reset":
+            messages = list(system)
+            continue
+        messages.append({"role": "user", "content": text})
+        reply = []
+        for r in stream_generate(lm.model, tok, tok.encode_chat(messages), args.max_tokens, sampling, args.stop):
+            sys.stdout.write(r.text)
+            sys.stdout.flush()
+            reply.append(r.text)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": "".join(reply)})

@@ -1,0 +1,125 @@
+"""The generation loop: batched prefill, then one token per decode step.
+
+`generate_step` is the bare loop over token ids (a generator, as in mlx-lm); the sampler is
+an injected callable. `stream_generate` adds text: detokenisation, stop strings, EOS, timing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from ..errors import BadArgumentError, ContextLengthError
+from ..models.base import Model
+from ..tokenizer import Tokenizer
+from .cache import KVCache
+from .detokenize import StopMatcher, StreamingDetokenizer
+from .sample import Sampler, SamplingParams
+
+PREFILL_CHUNK = 512  # bounds prefill activation memory for long prompts
+
+
+def prefill(model: Model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Run the prompt through the model in chunks; return the last position's logits."""
+    logits = None
+    for start in range(0, tokens.shape[0], PREFILL_CHUNK):
+        logits = model.forward(tokens[start : start + PREFILL_CHUNK], cache)
+    assert logits is not None
+    return logits
+
+
+def generate_step(model: Model, prompt: list[int], sampler: Callable[[torch.Tensor, torch.Tensor], int],
+                  max_tokens: int, cache: KVCache | None = None) -> Iterator[int]:
+    """Yield up to `max_tokens` sampled token ids after `prompt` (the caller stops early)."""
+    if not prompt:
+        raise BadArgumentError("the prompt is empty")
+    if cache is None:
+        cache = model.new_cache(len(prompt) + max_tokens)
+    seen = torch.empty(len(prompt) + max_tokens, dtype=torch.long)
+    seen[: len(prompt)] = torch.tensor(prompt)
+    n_seen = len(prompt)
+    logits = prefill(model, seen[:n_seen].clone(), cache)
+    step_input = torch.empty(1, dtype=torch.long)
+    for i in range(max_tokens):
+        token = sampler(logits, seen[:n_seen])
+        yield token
+        if i + 1 == max_tokens:
+            return
+        seen[n_seen] = token
+        n_seen += 1
+        step_input[0] = token
+        logits = model.forward(step_input, cache)
+
+
+@dataclass
+class GenerationResponse:
+    """One streamed step: the new text, the token, and running statistics."""
+
+    text: str
+    token: int | None
+    finish_reason: str | None  # None while running, then "stop" or "length"
+    prompt_tokens: int
+    generation_tokens: int
+    prompt_tps: float
+    generation_tps: float
+
+
+def check_context(model: Model, prompt_len: int, max_tokens: int) -> int:
+    """Refuse prompts that do not fit; clamp max_tokens to what the context leaves."""
+    limit = model.args.max_seq_len
+    if max_tokens < 0:
+        raise BadArgumentError("max_tokens must be >= 0")
+    if prompt_len >= limit:
+        raise ContextLengthError(f"prompt has {prompt_len} tokens; the model's context is {limit} tokens")
+    return min(max_tokens, limit - prompt_len)
+
+
+def stream_generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int = 256,
+                    sampling: SamplingParams | None = None, stop: list[str] | None = None,
+                    add_special_tokens: bool = True) -> Iterator[GenerationResponse]:
+    """Generate text after `prompt` (text or token ids), yielding it as it is produced."""
+    ids = tokenizer.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise BadArgumentError("the prompt is empty")
+    max_tokens = check_context(model, len(ids), max_tokens)
+    sampler = Sampler(sampling or SamplingParams())
+    detok = StreamingDetokenizer(tokenizer)
+    stops = StopMatcher(stop or [])
+    eos = set(tokenizer.eos_token_ids)
+    t_start = time.perf_counter()
+    t_first = t_start
+    prompt_tps = 0.0
+    n = 0
+
+    def response(text: str, token: int | None, finish: str | None) -> GenerationResponse:
+        decode_s = time.perf_counter() - t_first
+        tps = (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0
+        return GenerationResponse(text, token, finish, len(ids), n, prompt_tps, tps)
+
+    if max_tokens == 0:
+        yield response("", None, "length")
+        return
+    for token in generate_step(model, ids, sampler, max_tokens):
+        if n == 0:
+            t_first = time.perf_counter()
+            prompt_tps = len(ids) / max(t_first - t_start, 1e-9)
+        if token in eos:
+            yield response(stops.flush(), token, "stop")
+            return
+        n += 1
+        text, stopped = stops.feed(detok.add(token))
+        if stopped:
+            yield response(text, token, "stop")
+            return
+        yield response(text, token, None)
+    text, stopped = stops.feed(detok.flush())
+    yield response(text if stopped else text + stops.flush(), None, "length" if not stopped else "stop")
+
+
+def generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int = 256,
+             sampling: SamplingParams | None = None, stop: list[str] | None = None) -> str:
+    """The whole completion of `prompt` as one string."""
+    return "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens, sampling, stop))

@@ -1,0 +1,82 @@
+"""Every family against transformers on the same tiny random weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import TINY_MODELS, VOCAB, build_tiny
+
+from powerinfer.loader import load
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny")
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_logits_match_transformers(name, tiny_dir):
+    path = build_tiny(name, tiny_dir)
+    ours = load(str(path), with_tokenizer=False).model
+    ref = hf_model(path)
+    tokens = torch.randint(0, VOCAB, (12,))
+    with torch.no_grad():
+        expected = ref(tokens[None]).logits[0]
+    # prefill of the first 9 tokens, then 3 cached decode steps
+    cache = ours.new_cache(16)
+    got = [ours.forward(tokens[:9], cache, all_logits=True)]
+    for i in range(9, 12):
+        got.append(ours.forward(tokens[i : i + 1], cache, all_logits=True))
+    got = torch.cat(got)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "opt_proj_postnorm", "falcon_new_arch"])
+def test_greedy_tokens_match_transformers(name, tiny_dir):
+    from powerinfer.engine.generate import generate_step
+    from powerinfer.engine.sample import Sampler, SamplingParams
+
+    path = tiny_dir / name if (tiny_dir / name).exists() else build_tiny(name, tiny_dir)
+    ours = load(str(path), with_tokenizer=False).model
+    ref = hf_model(path)
+    prompt = torch.randint(0, VOCAB, (7,))
+    ref.generation_config.eos_token_id = None  # generate_step itself knows no EOS
+    with torch.no_grad():
+        expected = ref.generate(prompt[None], attention_mask=torch.ones(1, 7, dtype=torch.long),
+                                max_new_tokens=20, do_sample=False, pad_token_id=0)[0, 7:].tolist()
+    assert len(expected) == 20
+    got = list(generate_step(ours, prompt.tolist(), Sampler(SamplingParams(temperature=0)), 20))
+    assert got == expected
+
+
+def test_cached_decode_equals_uncached(tiny_dir):
+    path = tiny_dir / "llama" if (tiny_dir / "llama").exists() else build_tiny("llama", tiny_dir)
+    model = load(str(path), with_tokenizer=False).model
+    tokens = torch.randint(0, VOCAB, (10,))
+    full = model.forward(tokens, model.new_cache(10), all_logits=True)
+    cache = model.new_cache(10)
+    steps = torch.stack([model.forward(tokens[i : i + 1], cache) for i in range(10)])
+    torch.testing.assert_close(steps, full, atol=1e-5, rtol=1e-5)
+    # a prefill that continues a filled cache uses the offset causal mask
+    cache = model.new_cache(10)
+    model.forward(tokens[:4], cache)
+    rest = model.forward(tokens[4:], cache, all_logits=True)
+    torch.testing.assert_close(rest, full[4:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_dtypes_close_to_fp32(dtype, tiny_dir):
+    path = tiny_dir / "llama" if (tiny_dir / "llama").exists() else build_tiny("llama", tiny_dir)
+    tokens = torch.randint(0, VOCAB, (8,))
+    ref = load(str(path), with_tokenizer=False).model
+    half = load(str(path), dtype=dtype, with_tokenizer=False).model
+    a = ref.forward(tokens, ref.new_cache(8), all_logits=True)
+    b = half.forward(tokens, half.new_cache(8), all_logits=True)
+    assert b.dtype == torch.float32
+    assert (a - b).abs().max() < 0.1 * a.abs().max()

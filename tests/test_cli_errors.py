@@ -1,0 +1,109 @@
+"""Bad input on the command line: one clear line on stderr, exit status 2, no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def run_cli(*args: str, stdin: str | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "powerinfer.cli", *args], input=stdin, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+def assert_clean_error(result: subprocess.CompletedProcess, fragment: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [l for l in result.stderr.splitlines() if l.startswith("powerinfer: error:")]
+    assert len(lines) == 1 and fragment in lines[0], result.stderr
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory, smollm2_path):
+    """A tiny random llama with SmolLM2's tokenizer and chat template and a 64-token context."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from powerinfer.tokenizer import load_tokenizer
+
+    path = tmp_path_factory.mktemp("chat-model")
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    load_tokenizer(smollm2_path).hf.save_pretrained(path)
+    return path
+
+
+def test_missing_model_file():
+    assert_clean_error(run_cli("generate", "-m", "/nonexistent/model.gguf", "-p", "hi"), "no such file")
+
+
+def test_not_a_model(tmp_path):
+    p = tmp_path / "notes.txt"
+    p.write_text("hello")
+    assert_clean_error(run_cli("generate", "-m", str(p), "-p", "hi"), "not a GGUF file or HF model directory")
+    assert_clean_error(run_cli("generate", "-m", str(tmp_path), "-p", "hi"), "no config.json")
+
+
+def test_truncated_gguf(tmp_path, smollm2_path):
+    p = tmp_path / "truncated.gguf"
+    with open(smollm2_path, "rb") as f:
+        p.write_bytes(f.read(40_000_000))
+    assert_clean_error(run_cli("generate", "-m", str(p), "-p", "hi"), "truncated")
+
+
+def test_corrupt_gguf(tmp_path, smollm2_path):
+    p = tmp_path / "corrupt.gguf"
+    with open(smollm2_path, "rb") as f:
+        data = bytearray(f.read(2_000_000))
+    data[8:24] = b"\xff" * 16  # tensor and metadata counts become absurd
+    p.write_bytes(bytes(data))
+    assert_clean_error(run_cli("generate", "-m", str(p), "-p", "hi"), "corrupt")
+
+
+def test_unsupported_architecture(tmp_path):
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1}))
+    save_file({"wte.weight": torch.zeros(4, 4)}, str(tmp_path / "model.safetensors"))
+    assert_clean_error(run_cli("generate", "-m", str(tmp_path), "-p", "hi"), "unsupported model_type 'gpt2'")
+
+
+def test_truncated_safetensors(chat_model_dir, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(chat_model_dir, bad)
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    assert_clean_error(run_cli("generate", "-m", str(bad), "-p", "hi"), "safetensors")
+
+
+def test_prompt_longer_than_context(chat_model_dir):
+    assert_clean_error(run_cli("generate", "-m", str(chat_model_dir), "-p", "word " * 100), "context is 64 tokens")
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["-n", "-3"], "max_tokens"),
+    (["-t", "0"], "threads"),
+])
+def test_bad_flags(chat_model_dir, flags, fragment):
+    assert_clean_error(run_cli("generate", "-m", str(chat_model_dir), "-p", "hi", *flags), fragment)
+
+
+def test_generate_and_chat_run(chat_model_dir):
+    r = run_cli("generate", "-m", str(chat_model_dir), "-p", "Hello", "-n", "5", "--temperature", "0", "--stats")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("Hello") and "decode:" in r.stdout
+    r = run_cli("chat", "-m", str(chat_model_dir), "-n", "4", "--temperature", "0",
+                stdin="Hi there\n/reset\nAnother question\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert len([l for l in r.stdout.splitlines()]) >= 2

@@ -1,0 +1,49 @@
+"""GGUF files written like llama.cpp's converter (llama: interleaved q/k; qwen2: NEOX, biases)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from gguf_export import export_gguf, tiny_gguf_config
+
+from powerinfer.errors import UnsupportedModelError
+from powerinfer.loader import load
+
+
+def _hf_dir(arch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_gguf_config(arch))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(tmp_path / f"hf-{arch}")
+    return tmp_path / f"hf-{arch}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_logits_match_hf_checkpoint_and_transformers(arch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = _hf_dir(arch, tmp_path)
+    path = export_gguf(hf_dir, tmp_path / f"tiny-{arch}.gguf", arch)
+    tokens = torch.randint(0, 96, (10,))
+    gguf_model = load(str(path), with_tokenizer=False).model
+    hf_model = load(str(hf_dir), with_tokenizer=False).model
+    got = gguf_model.forward(tokens, gguf_model.new_cache(10), all_logits=True)
+    torch.testing.assert_close(got, hf_model.forward(tokens, hf_model.new_cache(10), all_logits=True))
+    oracle = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(got, oracle(tokens[None]).logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_quant_type_gguf_cannot_dequantize_is_refused(tmp_path):
+    from gguf import GGMLQuantizationType
+
+    hf_dir = _hf_dir("llama", tmp_path)
+    path = export_gguf(hf_dir, tmp_path / "q81.gguf", "llama",
+                       raw_types={"blk.0.ffn_up.weight": GGMLQuantizationType.Q8_1})
+    with pytest.raises(UnsupportedModelError, match="Q8_1"):
+        load(str(path), with_tokenizer=False)

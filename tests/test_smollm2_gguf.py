@@ -1,0 +1,56 @@
+"""The real embedded SmolLM2-135M GGUF against transformers loading the same file."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import powerinfer
+
+
+@pytest.fixture(scope="module")
+def ours(smollm2_path):
+    return powerinfer.load(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def oracle(smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path),
+                                                gguf_file=os.path.basename(smollm2_path),
+                                                dtype=torch.float32).eval()
+
+
+def test_config_read_from_gguf(ours):
+    a = ours.args
+    assert (a.n_layers, a.d_model, a.ffn_dim, a.n_heads, a.n_kv_heads, a.vocab_size) == (30, 576, 1536, 9, 3, 49152)
+    assert a.tie_embeddings and a.act == "silu"
+
+
+def test_logits_match_transformers(ours, oracle):
+    ids = ours.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+    tokens = torch.tensor(ids)
+    with torch.no_grad():
+        expected = oracle(tokens[None]).logits[0]
+    cache = ours.model.new_cache(len(ids))
+    got = torch.cat([ours.model.forward(tokens[:-3], cache, all_logits=True)] +
+                    [ours.model.forward(tokens[i : i + 1], cache, all_logits=True) for i in range(len(ids) - 3, len(ids))])
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_greedy_continuation_names_paris(ours):
+    text = powerinfer.generate(ours, "The capital of France is", max_tokens=8, temperature=0)
+    assert "Paris" in text
+
+
+def test_chat_template_and_eos(ours):
+    tok = ours.tokenizer
+    prompt = tok.chat_prompt([{"role": "user", "content": "Hi"}])
+    assert prompt.startswith("<|im_start|>") and prompt.rstrip().endswith("<|im_start|>assistant")
+    responses = list(powerinfer.stream_generate(ours, "Say hello.", max_tokens=200, temperature=0, chat=True))
+    assert responses[-1].finish_reason == "stop"  # ended by <|im_end|>, not by the length limit
+    assert "<|im_end|>" not in "".join(r.text for r in responses)

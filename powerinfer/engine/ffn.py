@@ -11,6 +11,8 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
+from ..ops.linear import Linear
+
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
@@ -47,20 +49,19 @@ class DenseFFN:
     """Every neuron computed. Gated: down(act(gate x) * up x); plain: fc2(act(fc1 x)).
 
     `w_in` is (n_ff, d) for a plain FFN and (2 n_ff, d) for a gated one, gate rows first,
-    so gate and up cost one GEMV; `w_out` is (d, n_ff) as in a Linear.
+    so gate and up cost one GEMV; `w_out` is (d, n_ff).
     """
 
-    def __init__(self, w_in: torch.Tensor, b_in: torch.Tensor | None, w_out: torch.Tensor,
-                 b_out: torch.Tensor | None, act: str, gated: bool, up_act: str | None = None):
-        self.w_in, self.b_in, self.w_out, self.b_out = w_in, b_in, w_out, b_out
+    def __init__(self, w_in: Linear, w_out: Linear, act: str, gated: bool, up_act: str | None = None):
+        self.w_in, self.w_out = w_in, w_out
         self.act = activation(act)
         self.up_act = activation(up_act) if up_act else None
         self.gated = gated
-        self.n_ff = w_out.shape[1]
+        self.n_ff = w_out.weight.shape[1]
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """The FFN's neuron activations (T, n_ff): what the profiler and sparse engine look at."""
-        h = F.linear(x, self.w_in, self.b_in)
+        h = self.w_in(x)
         if not self.gated:
             return self.act(h)
         gate, up = h[..., : self.n_ff], h[..., self.n_ff :]
@@ -69,8 +70,8 @@ class DenseFFN:
         return self.act(gate) * up
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        out = F.linear(self.hidden(x), self.w_out, self.b_out)
+        out = self.w_out(self.hidden(x))
         return out if residual is None else residual + out
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.w_in, self.b_in, self.w_out, self.b_out) if t is not None]
+        return self.w_in.tensors() + self.w_out.tensors()

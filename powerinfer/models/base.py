@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..engine.cache import KVCache
 from ..engine.ffn import FFN, DenseFFN
+from ..ops.linear import Linear
 
 
 @dataclass
@@ -86,10 +87,8 @@ class Norm:
 class Attention:
     """Fused-QKV multi-head attention with grouped KV heads."""
 
-    wqkv: torch.Tensor
-    bqkv: torch.Tensor | None
-    wo: torch.Tensor
-    bo: torch.Tensor | None
+    qkv: Linear
+    o: Linear
 
 
 @dataclass
@@ -113,7 +112,10 @@ def half_split_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 class Model:
-    """A loaded model: weights in the compute dtype and the forward pass.
+    """A loaded model: weights and the forward pass.
+
+    Matrices are stored in `dtype` (fp32, bf16 or fp16); norms, biases, activations and the
+    KV cache stay fp32, so half weights cost memory bandwidth only, not accuracy.
 
     `forward(tokens, cache)` appends `tokens` at position `cache.length` and returns logits,
     for the last token only unless `all_logits` (tests and perplexity need all).
@@ -127,33 +129,39 @@ class Model:
             t = state.get(name)
             return None if t is None else t.to(dtype).contiguous()
 
+        def get32(name: str) -> torch.Tensor | None:
+            t = state.get(name)
+            return None if t is None else t.float().contiguous()
+
+        def linear(name: str, bias: str | None = None) -> Linear | None:
+            w = get(name)
+            return None if w is None else Linear(w, get32(bias) if bias else None)
+
         def norm(prefix: str) -> Norm | None:
-            w, b = get(prefix + ".weight"), get(prefix + ".bias")
+            w, b = get32(prefix + ".weight"), get32(prefix + ".bias")
             if w is None and b is None:
                 return None
             return Norm(args.norm, w, b, args.norm_eps)
 
         self.embed = get("embed")
-        self.pos_embed = get("pos_embed")
-        self.project_in = get("project_in")
-        self.project_out = get("project_out")
+        self.pos_embed = get32("pos_embed")
+        self.project_in = linear("project_in")
+        self.project_out = linear("project_out")
         self.final_norm = norm("final_norm") if args.final_norm else None
-        self.lm_head = self.embed if args.tie_embeddings else get("lm_head")
+        self.lm_head = Linear(self.embed) if args.tie_embeddings else linear("lm_head")
         self.layers: list[Layer] = []
         for i in range(args.n_layers):
             p = f"layers.{i}."
             attn_norm = norm(p + "attn_norm")
             assert attn_norm is not None, f"missing {p}attn_norm"
             ffn = DenseFFN(
-                w_in=get(p + "ffn.w_in"),
-                b_in=get(p + "ffn.b_in"),
-                w_out=get(p + "ffn.w_out"),
-                b_out=get(p + "ffn.b_out"),
+                w_in=linear(p + "ffn.w_in", p + "ffn.b_in"),
+                w_out=linear(p + "ffn.w_out", p + "ffn.b_out"),
                 act=args.act,
                 gated=args.gated_ffn,
                 up_act=args.up_act,
             )
-            attn = Attention(get(p + "wqkv"), get(p + "bqkv"), get(p + "wo"), get(p + "bo"))
+            attn = Attention(linear(p + "wqkv", p + "bqkv"), linear(p + "wo", p + "bo"))
             self.layers.append(Layer(attn_norm, attn, norm(p + "ffn_norm"), ffn))
         self._rope = torch.empty(0, dtype=torch.complex64)
 
@@ -171,13 +179,13 @@ class Model:
     def new_cache(self, max_len: int) -> KVCache:
         """A KV cache for up to `max_len` positions, in CPU memory."""
         a = self.args
-        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len, self.dtype)
+        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len, torch.float32)
 
     # -- forward -------------------------------------------------------------------------
     def embed_tokens(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        x = F.embedding(tokens, self.embed)
+        x = F.embedding(tokens, self.embed).float()
         if self.project_in is not None:
-            x = F.linear(x, self.project_in)
+            x = self.project_in(x)
         if self.pos_embed is not None:
             pos = torch.arange(start, start + tokens.shape[0]) + self.args.learned_pos_offset
             x = x + F.embedding(pos, self.pos_embed)
@@ -186,7 +194,7 @@ class Model:
     def attention(self, layer_idx: int, attn: Attention, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         a = self.args
         T = x.shape[0]
-        qkv = F.linear(x, attn.wqkv, attn.bqkv)
+        qkv = attn.qkv(x)
         q = qkv[:, : a.q_dim].view(T, a.n_heads, a.head_dim)
         k = qkv[:, a.q_dim : a.q_dim + a.kv_dim].view(T, a.n_kv_heads, a.head_dim)
         v = qkv[:, a.q_dim + a.kv_dim :].view(T, a.n_kv_heads, a.head_dim)
@@ -208,7 +216,7 @@ class Model:
             enable_gqa=a.n_heads != a.n_kv_heads,
         )
         out = out[0].transpose(0, 1).reshape(T, a.q_dim)
-        return F.linear(out, attn.wo, attn.bo)
+        return attn.o(out)
 
     def block(self, i: int, layer: Layer, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         if not self.args.pre_norm:  # OPT post-norm: norm after each residual add
@@ -228,8 +236,8 @@ class Model:
         if self.final_norm is not None:
             x = self.final_norm(x)
         if self.project_out is not None:
-            x = F.linear(x, self.project_out)
-        return F.linear(x, self.lm_head).float()
+            x = self.project_out(x)
+        return self.lm_head(x)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
@@ -246,7 +254,7 @@ class Model:
             x = self.block(i, layer, x, cache, start)
         cache.length = start + T
         if not all_logits:
-            x = x[-1]
+            return self.hidden_to_logits(x[-1:])[0]
         return self.hidden_to_logits(x)
 
     def num_parameters(self) -> int:
@@ -259,12 +267,14 @@ class Model:
         return total
 
     def tensors(self) -> list[torch.Tensor]:
-        out: list[Any] = [self.embed, self.pos_embed, self.project_in, self.project_out, self.lm_head]
+        out: list[Any] = [self.embed, self.pos_embed]
+        for lin in (self.project_in, self.project_out, self.lm_head):
+            out += lin.tensors() if lin is not None else []
         if self.final_norm is not None:
             out += [self.final_norm.weight, self.final_norm.bias]
         for layer in self.layers:
-            out += [layer.attn_norm.weight, layer.attn_norm.bias, layer.attn.wqkv, layer.attn.bqkv]
-            out += [layer.attn.wo, layer.attn.bo]
+            out += [layer.attn_norm.weight, layer.attn_norm.bias]
+            out += layer.attn.qkv.tensors() + layer.attn.o.tensors()
             if layer.ffn_norm is not None:
                 out += [layer.ffn_norm.weight, layer.ffn_norm.bias]
             out += layer.ffn.tensors()

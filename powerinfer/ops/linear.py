@@ -1,0 +1,38 @@
+"""`Linear`: y = W x + b with fp32 activations and W in the model's weight dtype.
+
+Decode (one token, CPU) runs the numba GEMV; batches (prefill) use torch's GEMM, in fp32 on
+CPU because there native bf16/fp16 GEMM is several times slower than widening the weights
+first (measured on the AVX2 dev machine), and in the weight dtype on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu
+
+
+class Linear:
+    """A weight (out, in) and optional bias, callable on (T, in) fp32 activations."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight.contiguous()
+        self.bias = None if bias is None else bias.float().contiguous()
+        self._w_np = cpu.numpy_view(self.weight) if cpu.supports(self.weight) else None
+        self._b_np = None if self.bias is None or self._w_np is None else self.bias.numpy()
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._w_np is not None and x.shape[0] == 1:
+            return cpu.gemv(self.weight, self._w_np, x[0], self._b_np).unsqueeze(0)
+        w = self.weight
+        if w.device.type == "cpu" and w.dtype != torch.float32:
+            w = w.float()
+        return F.linear(x.to(w.dtype), w, None if self.bias is None else self.bias.to(w.dtype)).float()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.weight, self.bias) if t is not None]

@@ -17,6 +17,9 @@ class KVCache:
         shape = (n_layers, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # numpy views for the CPU decode kernels (same memory)
+        self.k_np = self.k.numpy() if self.k.device.type == "cpu" else None
+        self.v_np = self.v.numpy() if self.v.device.type == "cpu" else None
         self.max_len = max_len
         self.length = 0
 

@@ -11,6 +11,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
+from ..ops import cpu
 from ..ops.linear import Linear
 
 
@@ -58,10 +59,14 @@ class DenseFFN:
         self.up_act = activation(up_act) if up_act else None
         self.gated = gated
         self.n_ff = w_out.weight.shape[1]
+        self._act_id = cpu.ACT_IDS[act]
+        self._up_act_id = cpu.ACT_IDS[up_act] if up_act else -1
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """The FFN's neuron activations (T, n_ff): what the profiler and sparse engine look at."""
         h = self.w_in(x)
+        if h.shape[0] == 1 and h.device.type == "cpu":  # decode: one numba call, no torch chain
+            return self._hidden_one(h[0]).unsqueeze(0)
         if not self.gated:
             return self.act(h)
         gate, up = h[..., : self.n_ff], h[..., self.n_ff :]
@@ -69,9 +74,16 @@ class DenseFFN:
             up = self.up_act(up)
         return self.act(gate) * up
 
+    def _hidden_one(self, h: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            cpu.act_inplace(h.numpy(), self._act_id)
+            return h
+        out = torch.empty(self.n_ff, dtype=torch.float32)
+        cpu.gated_act(h.numpy(), self.n_ff, self._act_id, self._up_act_id, out.numpy())
+        return out
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.w_out(self.hidden(x))
-        return out if residual is None else residual + out
+        return self.w_out(self.hidden(x), residual=residual)
 
     def tensors(self) -> list[torch.Tensor]:
         return self.w_in.tensors() + self.w_out.tensors()

@@ -17,12 +17,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..engine.cache import KVCache
 from ..engine.ffn import FFN, DenseFFN
+from ..ops import cpu
 from ..ops.linear import Linear
+
+_EMPTY_TABLE = np.zeros((1, 1), dtype=np.float32)
 
 
 @dataclass
@@ -74,6 +78,10 @@ class Norm:
     eps: float
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "rms" and x.shape[0] == 1 and x.device.type == "cpu" and self.weight is not None:
+            out = torch.empty_like(x)
+            cpu.rms_norm(x[0].numpy(), self.weight.numpy(), self.eps, out[0].numpy())
+            return out
         if self.kind == "layer":
             return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
         # As HF Llama: normalise in fp32, cast back, then scale.
@@ -164,6 +172,7 @@ class Model:
             attn = Attention(linear(p + "wqkv", p + "bqkv"), linear(p + "wo", p + "bo"))
             self.layers.append(Layer(attn_norm, attn, norm(p + "ffn_norm"), ffn))
         self._rope = torch.empty(0, dtype=torch.complex64)
+        self._rope_cs: tuple[np.ndarray, np.ndarray] | None = None
 
     # -- positions -----------------------------------------------------------------------
     def rope_table(self, length: int) -> torch.Tensor:
@@ -195,6 +204,8 @@ class Model:
         a = self.args
         T = x.shape[0]
         qkv = attn.qkv(x)
+        if T == 1 and qkv.device.type == "cpu":
+            return attn.o(self._attend_one(layer_idx, qkv[0], cache, start).unsqueeze(0))
         q = qkv[:, : a.q_dim].view(T, a.n_heads, a.head_dim)
         k = qkv[:, a.q_dim : a.q_dim + a.kv_dim].view(T, a.n_kv_heads, a.head_dim)
         v = qkv[:, a.q_dim + a.kv_dim :].view(T, a.n_kv_heads, a.head_dim)
@@ -217,6 +228,26 @@ class Model:
         )
         out = out[0].transpose(0, 1).reshape(T, a.q_dim)
         return attn.o(out)
+
+    def _attend_one(self, layer_idx: int, qkv: torch.Tensor, cache: KVCache, pos: int) -> torch.Tensor:
+        """Decode attention in one numba call: RoPE, cache write, softmax(qk)v for all heads."""
+        a = self.args
+        rope = a.position == "rope"
+        if rope:
+            cos, sin = self.rope_cos_sin(pos + 1)
+        else:
+            cos = sin = _EMPTY_TABLE
+        out = torch.empty(a.q_dim, dtype=torch.float32)
+        cpu.attend_one(qkv.numpy(), pos, cos, sin, cache.k_np[layer_idx], cache.v_np[layer_idx], a.n_heads,
+                       a.n_kv_heads, a.head_dim, a.head_dim**-0.5, rope, out.numpy())
+        return out
+
+    def rope_cos_sin(self, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """The rope table as separate fp32 cos and sin arrays (positions, head_dim/2)."""
+        table = self.rope_table(length)
+        if self._rope_cs is None or self._rope_cs[0].shape[0] != table.shape[0]:
+            self._rope_cs = (table.real.contiguous().numpy(), table.imag.contiguous().numpy())
+        return self._rope_cs
 
     def block(self, i: int, layer: Layer, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         if not self.args.pre_norm:  # OPT post-norm: norm after each residual add

@@ -9,6 +9,8 @@ tensors (no copies); weights are row-major (out, in), one output per row.
 
 from __future__ import annotations
 
+import math
+
 import numba
 import numpy as np
 import torch
@@ -18,36 +20,51 @@ from .numba_half import bf16_to_f32, fp16_to_f32
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _gemv_f32(w, x, bias, out):
+def _gemv_f32(w, x, bias, residual, out):
     n, d = w.shape
     has_bias = bias.shape[0] > 0
+    has_residual = residual.shape[0] > 0
     for i in prange(n):
         acc = np.float32(0.0)
         for j in range(d):
             acc += w[i, j] * x[j]
-        out[i] = acc + bias[i] if has_bias else acc
+        if has_bias:
+            acc += bias[i]
+        if has_residual:
+            acc += residual[i]
+        out[i] = acc
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _gemv_bf16(w, x, bias, out):
+def _gemv_bf16(w, x, bias, residual, out):
     n, d = w.shape
     has_bias = bias.shape[0] > 0
+    has_residual = residual.shape[0] > 0
     for i in prange(n):
         acc = np.float32(0.0)
         for j in range(d):
             acc += bf16_to_f32(w[i, j]) * x[j]
-        out[i] = acc + bias[i] if has_bias else acc
+        if has_bias:
+            acc += bias[i]
+        if has_residual:
+            acc += residual[i]
+        out[i] = acc
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _gemv_f16(w, x, bias, out):
+def _gemv_f16(w, x, bias, residual, out):
     n, d = w.shape
     has_bias = bias.shape[0] > 0
+    has_residual = residual.shape[0] > 0
     for i in prange(n):
         acc = np.float32(0.0)
         for j in range(d):
             acc += fp16_to_f32(w[i, j]) * x[j]
-        out[i] = acc + bias[i] if has_bias else acc
+        if has_bias:
+            acc += bias[i]
+        if has_residual:
+            acc += residual[i]
+        out[i] = acc
 
 
 _GEMV = {torch.float32: _gemv_f32, torch.bfloat16: _gemv_bf16, torch.float16: _gemv_f16}
@@ -67,14 +84,138 @@ def numpy_view(weight: torch.Tensor) -> np.ndarray:
 
 
 def gemv(weight: torch.Tensor, w_np: np.ndarray, x: torch.Tensor, bias: np.ndarray | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
-    """out = weight @ x (+ bias) for one fp32 vector x; `w_np` is numpy_view(weight)."""
+         residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out = weight @ x (+ bias) (+ residual) for one fp32 vector x; `w_np` is numpy_view(weight)."""
     if out is None:
         out = torch.empty(weight.shape[0], dtype=torch.float32)
-    _GEMV[weight.dtype](w_np, x.numpy(), NO_BIAS if bias is None else bias, out.numpy())
+    res = NO_BIAS if residual is None else residual.numpy()
+    _GEMV[weight.dtype](w_np, x.numpy(), NO_BIAS if bias is None else bias, res, out.numpy())
     return out
+
+
+def gemv_kernel(dtype: torch.dtype):
+    """The raw kernel (w, x, bias, residual, out) for weights of `dtype`; empty arrays = none."""
+    return _GEMV[dtype]
 
 
 def set_threads(n: int) -> None:
     """Threads for the numba kernels called from this thread."""
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+
+
+# -- single-token decode kernels ------------------------------------------------------------
+# Each replaces a chain of 5-25 tiny torch ops (about 2-5 us each) with one call.
+
+@njit(fastmath=True, cache=True)
+def rms_norm(x, weight, eps, out):
+    """out = x / sqrt(mean(x^2) + eps) * weight."""
+    d = x.shape[0]
+    ss = np.float32(0.0)
+    for j in range(d):
+        ss += x[j] * x[j]
+    r = np.float32(1.0) / np.sqrt(ss / np.float32(d) + np.float32(eps))
+    for j in range(d):
+        out[j] = x[j] * r * weight[j]
+
+
+@njit(fastmath=True, cache=True)
+def add_rms_norm(x, delta, weight, eps, out):
+    """x += delta (in place), then out = rms_norm(x) * weight."""
+    for j in range(x.shape[0]):
+        x[j] += delta[j]
+    rms_norm(x, weight, eps, out)
+
+
+ACT_IDS = {"silu": 0, "swish": 0, "relu": 1, "gelu": 2, "gelu_new": 3, "gelu_pytorch_tanh": 3, "gelu_fast": 3}
+
+
+@njit(inline="always", fastmath=True)
+def _act(v, act_id):
+    if act_id == 0:
+        return v / (np.float32(1.0) + np.exp(-v))
+    if act_id == 1:
+        return v if v > 0 else np.float32(0.0)
+    if act_id == 2:
+        return np.float32(0.5) * v * (np.float32(1.0) + math.erf(v * np.float32(0.7071067811865476)))
+    inner = np.float32(0.7978845608028654) * (v + np.float32(0.044715) * v * v * v)
+    return np.float32(0.5) * v * (np.float32(1.0) + np.tanh(inner))
+
+
+@njit(fastmath=True, cache=True)
+def gated_act(h, n_ff, act_id, up_act_id, out):
+    """out[i] = act(h[i]) * up_act(h[n_ff + i]); up_act_id < 0 means no activation on up."""
+    for i in range(n_ff):
+        up = h[n_ff + i]
+        if up_act_id >= 0:
+            up = _act(up, up_act_id)
+        out[i] = _act(h[i], act_id) * up
+
+
+@njit(fastmath=True, cache=True)
+def act_inplace(h, act_id):
+    for i in range(h.shape[0]):
+        h[i] = _act(h[i], act_id)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def attend_one(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, out):
+    """Decode attention for one token at position `pos`, all in one call.
+
+    qkv: the fused projection output [q heads | k heads | v heads]; rotates q and k with
+    interleaved RoPE (when `rope`), writes k and v into the caches (kv_heads, max_len,
+    head_dim) at `pos`, and writes softmax(q k^T * scale) v for every query head to `out`.
+    Query head h reads KV head h // (n_heads // n_kv) (GQA).
+    """
+    half = head_dim // 2
+    q_dim = n_heads * head_dim
+    kv_dim = n_kv * head_dim
+    for g in range(n_kv):
+        base = q_dim + g * head_dim
+        for i in range(half):
+            k0 = qkv[base + 2 * i]
+            k1 = qkv[base + 2 * i + 1]
+            if rope:
+                c, s = cos[pos, i], sin[pos, i]
+                k_cache[g, pos, 2 * i] = k0 * c - k1 * s
+                k_cache[g, pos, 2 * i + 1] = k0 * s + k1 * c
+            else:
+                k_cache[g, pos, 2 * i] = k0
+                k_cache[g, pos, 2 * i + 1] = k1
+        for j in range(head_dim):
+            v_cache[g, pos, j] = qkv[q_dim + kv_dim + g * head_dim + j]
+    group = n_heads // n_kv
+    length = pos + 1
+    for h in prange(n_heads):
+        g = h // group
+        q = np.empty(head_dim, dtype=np.float32)
+        for i in range(half):
+            q0 = qkv[h * head_dim + 2 * i]
+            q1 = qkv[h * head_dim + 2 * i + 1]
+            if rope:
+                c, s = cos[pos, i], sin[pos, i]
+                q[2 * i] = q0 * c - q1 * s
+                q[2 * i + 1] = q0 * s + q1 * c
+            else:
+                q[2 * i] = q0
+                q[2 * i + 1] = q1
+        scores = np.empty(length, dtype=np.float32)
+        top = np.float32(-np.inf)
+        for t in range(length):
+            acc = np.float32(0.0)
+            for j in range(head_dim):
+                acc += q[j] * k_cache[g, t, j]
+            acc *= scale
+            scores[t] = acc
+            if acc > top:
+                top = acc
+        total = np.float32(0.0)
+        for t in range(length):
+            e = np.exp(scores[t] - top)
+            scores[t] = e
+            total += e
+        o = out[h * head_dim : (h + 1) * head_dim]
+        o[:] = 0.0
+        for t in range(length):
+            p = scores[t] / total
+            for j in range(head_dim):
+                o[j] += p * v_cache[g, t, j]

@@ -7,6 +7,7 @@ first (measured on the AVX2 dev machine), and in the weight dtype on CUDA.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -21,18 +22,26 @@ class Linear:
         self.bias = None if bias is None else bias.float().contiguous()
         self._w_np = cpu.numpy_view(self.weight) if cpu.supports(self.weight) else None
         self._b_np = None if self.bias is None or self._w_np is None else self.bias.numpy()
+        self._kernel = cpu.gemv_kernel(self.weight.dtype) if self._w_np is not None else None
 
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """W x + b (+ residual) for x of shape (T, in); fp32 result of shape (T, out)."""
         if self._w_np is not None and x.shape[0] == 1:
-            return cpu.gemv(self.weight, self._w_np, x[0], self._b_np).unsqueeze(0)
+            # numpy views and indexing cost well under a microsecond; torch's take several
+            out = np.empty((1, self._w_np.shape[0]), dtype=np.float32)
+            res = cpu.NO_BIAS if residual is None else residual.contiguous().numpy()[0]
+            bias = cpu.NO_BIAS if self._b_np is None else self._b_np
+            self._kernel(self._w_np, x.contiguous().numpy()[0], bias, res, out[0])
+            return torch.from_numpy(out)
         w = self.weight
         if w.device.type == "cpu" and w.dtype != torch.float32:
             w = w.float()
-        return F.linear(x.to(w.dtype), w, None if self.bias is None else self.bias.to(w.dtype)).float()
+        y = F.linear(x.to(w.dtype), w, None if self.bias is None else self.bias.to(w.dtype)).float()
+        return y if residual is None else y + residual
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.weight, self.bias) if t is not None]

@@ -1,0 +1,73 @@
+"""Dense CPU kernels (numba) against the plain-torch reference ops."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from powerinfer.ops import cpu, reference
+from powerinfer.ops.linear import Linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1), (37, 53), (300, 129)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_one_token_matches_reference(dtype, shape, with_bias):
+    w = torch.randn(shape).to(dtype)
+    b = torch.randn(shape[0]) if with_bias else None
+    x, r = torch.randn(1, shape[1]), torch.randn(1, shape[0])
+    lin = Linear(w, b)
+    expected = reference.gemv(w, x[0], b, r[0])
+    torch.testing.assert_close(lin(x, residual=r)[0], expected, atol=1e-4, rtol=1e-4)
+    # the batched (torch) path agrees with the one-token (numba) path
+    xs = torch.cat([x, torch.randn(2, shape[1])])
+    torch.testing.assert_close(lin(xs)[:1], lin(x), atol=1e-4, rtol=1e-4)
+
+
+def test_rms_norm_matches_reference():
+    x, w = torch.randn(577), torch.randn(577)
+    out = np.empty(577, np.float32)
+    cpu.rms_norm(x.numpy(), w.numpy(), 1e-5, out)
+    torch.testing.assert_close(torch.from_numpy(out), reference.rms_norm(x, w, 1e-5))
+    y = x.clone()
+    delta = torch.randn(577)
+    cpu.add_rms_norm(y.numpy(), delta.numpy(), w.numpy(), 1e-5, out)
+    torch.testing.assert_close(y, x + delta)
+    torch.testing.assert_close(torch.from_numpy(out), reference.rms_norm(x + delta, w, 1e-5))
+
+
+@pytest.mark.parametrize("act", ["silu", "relu", "gelu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("up_act", [None, "relu"])
+def test_gated_activation_matches_reference(act, up_act):
+    n_ff = 101
+    h = torch.randn(2 * n_ff) * 3
+    out = np.empty(n_ff, np.float32)
+    cpu.gated_act(h.numpy(), n_ff, cpu.ACT_IDS[act], cpu.ACT_IDS[up_act] if up_act else -1, out)
+    torch.testing.assert_close(torch.from_numpy(out), reference.gated_act(h, n_ff, act, up_act), atol=1e-5, rtol=1e-5)
+    plain = h.clone()
+    cpu.act_inplace(plain.numpy(), cpu.ACT_IDS[act])
+    torch.testing.assert_close(plain, reference.gated_act(torch.cat([h, torch.ones_like(h)]), 2 * n_ff, act))
+
+
+@pytest.mark.parametrize("n_heads,n_kv,rope", [(4, 4, True), (6, 2, True), (8, 1, False)])
+def test_attend_one_matches_reference(n_heads, n_kv, rope):
+    d, max_len, pos = 16, 20, 13
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    angles = torch.outer(torch.arange(max_len).float(), inv_freq)
+    cos, sin = torch.cos(angles).numpy(), torch.sin(angles).numpy()
+    k_cache, v_cache = torch.randn(n_kv, max_len, d), torch.randn(n_kv, max_len, d)
+    qkv = torch.randn((n_heads + 2 * n_kv) * d)
+    q = qkv[: n_heads * d].view(n_heads, d)
+    k = qkv[n_heads * d : (n_heads + n_kv) * d].view(n_kv, d)
+    v = qkv[(n_heads + n_kv) * d :].view(n_kv, d)
+    if rope:
+        q, k = reference.rope_interleaved(q, pos, inv_freq), reference.rope_interleaved(k, pos, inv_freq)
+    keys, values = k_cache.clone(), v_cache.clone()
+    keys[:, pos], values[:, pos] = k, v
+    expected = reference.attend_one(q, keys[:, : pos + 1], values[:, : pos + 1])
+    out = np.empty(n_heads * d, np.float32)
+    cpu.attend_one(qkv.numpy(), pos, cos, sin, k_cache.numpy(), v_cache.numpy(), n_heads, n_kv, d, d**-0.5, rope, out)
+    torch.testing.assert_close(torch.from_numpy(out), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_cache[:, pos], k, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(v_cache[:, pos], v)

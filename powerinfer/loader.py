@@ -11,6 +11,7 @@ from .errors import BadArgumentError, ModelFileError
 from .formats.gguf import GGUF_MAGIC, open_gguf
 from .formats.hf import open_hf_dir
 from .models import family_module
+from .ops import cpu
 from .models.base import Model, ModelArgs
 from .paths import default_model_path
 from .tokenizer import Tokenizer, load_tokenizer
@@ -72,6 +73,7 @@ def load(path: str | None = None, dtype: str | torch.dtype = "fp32", threads: in
         if threads < 1:
             raise BadArgumentError("threads must be >= 1")
         torch.set_num_threads(threads)
+        cpu.set_threads(threads)
     path = resolve_model_path(path)
     torch_dtype = parse_dtype(dtype)
     args, state = read_model(path)

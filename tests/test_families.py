@@ -80,3 +80,32 @@ def test_half_dtypes_close_to_fp32(dtype, tiny_dir):
     b = half.forward(tokens, half.new_cache(8), all_logits=True)
     assert b.dtype == torch.float32
     assert (a - b).abs().max() < 0.1 * a.abs().max()
+
+
+def test_bamboo_style_relu_on_up_matches_patched_transformers(tmp_path):
+    """`up_act: relu` (ReLU on gate and up, as Bamboo) against HF Llama with that MLP patched in."""
+    import json
+    import types
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, hidden_act="relu")
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg).eval()
+    ref.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "up_act": "relu"}))
+
+    def drelu_forward(self, x):
+        return self.down_proj(torch.relu(self.gate_proj(x)) * torch.relu(self.up_proj(x)))
+
+    for layer in ref.model.layers:
+        layer.mlp.forward = types.MethodType(drelu_forward, layer.mlp)
+    tokens = torch.randint(0, VOCAB, (9,))
+    ours = load(str(tmp_path), with_tokenizer=False).model
+    cache = ours.new_cache(9)
+    got = torch.cat([ours.forward(tokens[:6], cache, all_logits=True),
+                     *[ours.forward(tokens[i : i + 1], cache, all_logits=True) for i in range(6, 9)]])
+    with torch.no_grad():
+        torch.testing.assert_close(got, ref(tokens[None]).logits[0], atol=1e-4, rtol=1e-4)

@@ -4,7 +4,7 @@ Hand-written because no library gives what we need here: torch's CPU GEMV reache
 12 GB/s on the 2-core dev machine while a numba prange row-dot reaches about 30 GB/s
 (measured in benchmarks/), and numba reads bf16/fp16 weights directly with fp32
 accumulation, where torch would first copy them to fp32. Kernels take numpy views of torch
-tensors (no copies); weights are row-major (out, in), one output per row.
+tensors (no copies, see numba_half.numpy_weights); weights are row-major (out, in).
 """
 
 from __future__ import annotations
@@ -16,18 +16,19 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from .numba_half import bf16_to_f32, fp16_to_f32
+from .numba_half import numpy_weights, widen
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _gemv_f32(w, x, bias, residual, out):
+def gemv_kernel(w, x, bias, residual, out):
+    """out = w @ x (+ bias) (+ residual); empty bias/residual arrays mean none."""
     n, d = w.shape
     has_bias = bias.shape[0] > 0
     has_residual = residual.shape[0] > 0
     for i in prange(n):
         acc = np.float32(0.0)
         for j in range(d):
-            acc += w[i, j] * x[j]
+            acc += widen(w[i, j]) * x[j]
         if has_bias:
             acc += bias[i]
         if has_residual:
@@ -35,67 +36,22 @@ def _gemv_f32(w, x, bias, residual, out):
         out[i] = acc
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def _gemv_bf16(w, x, bias, residual, out):
-    n, d = w.shape
-    has_bias = bias.shape[0] > 0
-    has_residual = residual.shape[0] > 0
-    for i in prange(n):
-        acc = np.float32(0.0)
-        for j in range(d):
-            acc += bf16_to_f32(w[i, j]) * x[j]
-        if has_bias:
-            acc += bias[i]
-        if has_residual:
-            acc += residual[i]
-        out[i] = acc
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def _gemv_f16(w, x, bias, residual, out):
-    n, d = w.shape
-    has_bias = bias.shape[0] > 0
-    has_residual = residual.shape[0] > 0
-    for i in prange(n):
-        acc = np.float32(0.0)
-        for j in range(d):
-            acc += fp16_to_f32(w[i, j]) * x[j]
-        if has_bias:
-            acc += bias[i]
-        if has_residual:
-            acc += residual[i]
-        out[i] = acc
-
-
-_GEMV = {torch.float32: _gemv_f32, torch.bfloat16: _gemv_bf16, torch.float16: _gemv_f16}
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NO_BIAS = np.zeros(0, dtype=np.float32)
 
 
 def supports(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype in _GEMV and weight.dim() == 2
+    return weight.device.type == "cpu" and weight.dtype in SUPPORTED_DTYPES and weight.dim() == 2
 
 
-def numpy_view(weight: torch.Tensor) -> np.ndarray:
-    """A zero-copy numpy view; half types are seen as uint16 bit patterns."""
-    weight = weight.detach()
-    if weight.dtype in (torch.bfloat16, torch.float16):
-        return weight.view(torch.int16).numpy().view(np.uint16)
-    return weight.numpy()
-
-
-def gemv(weight: torch.Tensor, w_np: np.ndarray, x: torch.Tensor, bias: np.ndarray | None = None,
+def gemv(w_np: np.ndarray, x: torch.Tensor, bias: np.ndarray | None = None,
          residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """out = weight @ x (+ bias) (+ residual) for one fp32 vector x; `w_np` is numpy_view(weight)."""
+    """out = W @ x (+ bias) (+ residual) for one fp32 vector x; `w_np` is numpy_weights(W)."""
     if out is None:
-        out = torch.empty(weight.shape[0], dtype=torch.float32)
+        out = torch.empty(w_np.shape[0], dtype=torch.float32)
     res = NO_BIAS if residual is None else residual.numpy()
-    _GEMV[weight.dtype](w_np, x.numpy(), NO_BIAS if bias is None else bias, res, out.numpy())
+    gemv_kernel(w_np, x.numpy(), NO_BIAS if bias is None else bias, res, out.numpy())
     return out
-
-
-def gemv_kernel(dtype: torch.dtype):
-    """The raw kernel (w, x, bias, residual, out) for weights of `dtype`; empty arrays = none."""
-    return _GEMV[dtype]
 
 
 def set_threads(n: int) -> None:

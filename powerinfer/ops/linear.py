@@ -20,9 +20,8 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight = weight.contiguous()
         self.bias = None if bias is None else bias.float().contiguous()
-        self._w_np = cpu.numpy_view(self.weight) if cpu.supports(self.weight) else None
+        self._w_np = cpu.numpy_weights(self.weight) if cpu.supports(self.weight) else None
         self._b_np = None if self.bias is None or self._w_np is None else self.bias.numpy()
-        self._kernel = cpu.gemv_kernel(self.weight.dtype) if self._w_np is not None else None
 
     @property
     def out_features(self) -> int:
@@ -35,7 +34,7 @@ class Linear:
             out = np.empty((1, self._w_np.shape[0]), dtype=np.float32)
             res = cpu.NO_BIAS if residual is None else residual.contiguous().numpy()[0]
             bias = cpu.NO_BIAS if self._b_np is None else self._b_np
-            self._kernel(self._w_np, x.contiguous().numpy()[0], bias, res, out[0])
+            cpu.gemv_kernel(self._w_np, x.contiguous().numpy()[0], bias, res, out[0])
             return torch.from_numpy(out)
         w = self.weight
         if w.device.type == "cpu" and w.dtype != torch.float32:

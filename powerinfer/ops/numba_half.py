@@ -1,23 +1,28 @@
-"""bf16/fp16 -> fp32 conversion inside numba kernels.
+"""Widening weights to fp32 inside numba kernels: one `widen(v)` for every weight dtype.
 
-numba has no float16/bfloat16 scalar type on CPU, so half weights are passed as uint16 and
-widened in the kernel: bf16 is the top half of an fp32 (shift and bit-cast); fp16 uses
-LLVM's `fpext half` (F16C on x86), exposed through a tiny intrinsic.
+numba has no float16/bfloat16 scalar type on CPU, so half weights reach the kernels as
+16-bit integer views and are widened there, with the weight dtype encoded in the view's
+numpy dtype so that each kernel compiles one branch-free specialisation per dtype:
+
+* float32 -> as is;
+* uint16  -> bfloat16 bits: the top half of an fp32 (shift, bit-cast);
+* int16   -> float16 bits: LLVM `fpext half` (F16C on x86), through a tiny intrinsic.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import types
+from numba.extending import intrinsic, overload
 
 
 @intrinsic
 def _fp16_bits_to_f32(typingctx, bits):
-    if bits != types.uint16:
+    if bits != types.int16:
         return None
-    sig = types.float32(types.uint16)
+    sig = types.float32(types.int16)
 
     def codegen(context, builder, signature, args):
         half = builder.bitcast(args[0], ir.HalfType())
@@ -26,11 +31,28 @@ def _fp16_bits_to_f32(typingctx, bits):
     return sig, codegen
 
 
-@njit(inline="always", fastmath=True)
-def bf16_to_f32(bits):
-    return np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
+def widen(v):  # pragma: no cover - only its numba overload runs
+    raise NotImplementedError("widen() is for numba kernels")
 
 
-@njit(inline="always", fastmath=True)
-def fp16_to_f32(bits):
-    return _fp16_bits_to_f32(bits)
+@overload(widen, inline="always", fastmath=True)
+def _widen(v):
+    if isinstance(v, types.Float):
+        return lambda v: np.float32(v)
+    if v == types.uint16:
+        return lambda v: np.uint32(np.uint32(v) << np.uint32(16)).view(np.float32)
+    if v == types.int16:
+        return lambda v: _fp16_bits_to_f32(v)
+    return None
+
+
+def numpy_weights(weight: torch.Tensor) -> np.ndarray:
+    """Zero-copy numpy view of a CPU weight tensor in the encoding `widen` expects."""
+    weight = weight.detach()
+    if weight.dtype == torch.bfloat16:
+        return weight.view(torch.int16).numpy().view(np.uint16)
+    if weight.dtype == torch.float16:
+        return weight.view(torch.int16).numpy()
+    if weight.dtype == torch.float32:
+        return weight.numpy()
+    raise TypeError(f"unsupported weight dtype {weight.dtype}")

@@ -41,3 +41,51 @@ def attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tor
     k = keys.repeat_interleave(group, 0)
     v = values.repeat_interleave(group, 0)
     return F.scaled_dot_product_attention(q[:, None], k, v)[:, 0].reshape(-1)
+
+
+# -- sparse ops: defined densely, then restricted to the active set ---------------------------
+def sparse_row_gemv(w: torch.Tensor, x: torch.Tensor, idx: torch.Tensor, bias: torch.Tensor | None = None,
+                    act: str | None = None) -> torch.Tensor:
+    y = x.float() @ w.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    if act:
+        y = activation(act)(y)
+    return y[..., idx.long()]
+
+
+def sparse_col_axpy(wt: torch.Tensor, a: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    full = torch.zeros(*a.shape[:-1], wt.shape[0])
+    full[..., idx.long()] = a.float()
+    return full @ wt.float()
+
+
+def sparse_gated_ffn(w_gate: torch.Tensor, w_up: torch.Tensor, wt_down: torch.Tensor, x: torch.Tensor,
+                     idx: torch.Tensor, act: str, up_act: str | None = None, criterion: str = "none",
+                     threshold: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    a = activation(act)(x.float() @ w_gate.float().t())
+    u = x.float() @ w_up.float().t()
+    if up_act:
+        u = activation(up_act)(u)
+    h = a * u
+    if criterion == "gate":
+        h = torch.where(a.abs() <= threshold, 0.0, h)
+    elif criterion == "gate_up":
+        h = torch.where(h.abs() <= threshold, 0.0, h)
+    mask = torch.zeros(w_gate.shape[0], dtype=torch.bool)
+    mask[idx.long()] = True
+    h = torch.where(mask, h, 0.0)
+    return h @ wt_down.float(), h[..., idx.long()]
+
+
+def predictor_logits(w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
+                     x: torch.Tensor) -> torch.Tensor:
+    h = F.relu(F.linear(x.float(), w1.float(), None if b1 is None else b1.float()))
+    return F.linear(h, w2.float(), None if b2 is None else b2.float())
+
+
+def threshold_to_index(logits: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
+    active = logits > torch.as_tensor(threshold, dtype=torch.float32)
+    if active.dim() == 2:
+        active = active.any(0)
+    return torch.tensor([i for i, on in enumerate(active.tolist()) if on], dtype=torch.long)

@@ -1,0 +1,159 @@
+"""The sparse ops' public API: torch tensors in, fp32 torch tensors out.
+
+One place decides the backend: CPU tensors run the numba kernels (sparse_cpu), anything
+else the torch GPU-tier code (gpu). Every function takes x as (d,) or (T, d) (a few tokens
+sharing the union of their active sets), indices as int32/int64, weights as fp32, bf16 or
+fp16, and validates indices unless `check=False` (for callers that produced them).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from ..errors import BadArgumentError
+from . import gpu, sparse_cpu
+from .cpu import ACT_IDS, NO_BIAS, SUPPORTED_DTYPES
+from .numba_half import numpy_weights
+
+CRITERIA = {"none": 0, "gate": 1, "gate_up": 2}  # what the threshold applies to: |act(g)| or |act(g)*u|
+
+
+def _on_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def _as_2d(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    if x.dim() == 1:
+        return x[None], True
+    if x.dim() != 2:
+        raise BadArgumentError(f"x must be (d,) or (T, d), got shape {tuple(x.shape)}")
+    return x, False
+
+
+def validate(idx: torch.Tensor, n: int) -> None:
+    """Refuse index sets that are not 1-D integers, distinct, within [0, n)."""
+    if idx.dim() != 1 or idx.dtype not in (torch.int32, torch.int64):
+        raise BadArgumentError(f"indices must be a 1-D int32/int64 tensor, got {idx.dtype} {tuple(idx.shape)}")
+    code = sparse_cpu.check_indices(idx.cpu().numpy(), n)
+    if code > 0:
+        raise BadArgumentError(f"index out of range: idx[{code - 1}] = {int(idx[code - 1])}, rows are [0, {n})")
+    if code < 0:
+        raise BadArgumentError(f"duplicate index {int(idx[-code - 1])} at position {-code - 1}")
+
+
+def _weights(w: torch.Tensor, name: str) -> np.ndarray:
+    if w.dtype not in SUPPORTED_DTYPES or w.dim() != 2:
+        raise BadArgumentError(f"{name} must be a 2-D fp32/bf16/fp16 tensor, got {w.dtype} {tuple(w.shape)}")
+    return numpy_weights(w.contiguous())
+
+
+def _f32(x: torch.Tensor) -> np.ndarray:
+    return x.detach().float().contiguous().numpy()
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads is not None and threads != numba.get_num_threads():
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+
+
+def sparse_row_gemv(w: torch.Tensor, x: torch.Tensor, idx: torch.Tensor, bias: torch.Tensor | None = None,
+                    act: str | None = None, *, check: bool = True, threads: int | None = None) -> torch.Tensor:
+    """y[..., k] = act(W[idx[k]] . x + bias[idx[k]]) for the active rows only."""
+    if check:
+        validate(idx, w.shape[0])
+    x2, squeeze = _as_2d(x)
+    if not _on_cpu(w, x2, idx):
+        y = gpu.sparse_row_gemv(w, x2, idx, bias, act)
+        return y[0] if squeeze else y
+    _set_threads(threads)
+    out = np.empty((x2.shape[0], idx.shape[0]), dtype=np.float32)
+    if idx.shape[0]:
+        sparse_cpu.row_gemv(_weights(w, "w"), _f32(x2), idx.numpy(), NO_BIAS if bias is None else _f32(bias),
+                            ACT_IDS[act] if act else -1, out)
+    y = torch.from_numpy(out)
+    return y[0] if squeeze else y
+
+
+def sparse_col_axpy(wt: torch.Tensor, a: torch.Tensor, idx: torch.Tensor, *, check: bool = True,
+                    threads: int | None = None) -> torch.Tensor:
+    """y = sum_k a[..., k] * Wt[idx[k]], with the down projection stored transposed."""
+    if check:
+        validate(idx, wt.shape[0])
+    a2, squeeze = _as_2d(a)
+    if a2.shape[1] != idx.shape[0]:
+        raise BadArgumentError(f"{a2.shape[1]} coefficients for {idx.shape[0]} indices")
+    if not _on_cpu(wt, a2, idx):
+        y = gpu.sparse_col_axpy(wt, a2, idx)
+        return y[0] if squeeze else y
+    _set_threads(threads)
+    out = np.zeros((a2.shape[0], wt.shape[1]), dtype=np.float32)
+    if idx.shape[0]:
+        sparse_cpu.col_axpy(_weights(wt, "wt"), _f32(a2), idx.numpy(), sparse_cpu.default_chunks(), out, False)
+    y = torch.from_numpy(out)
+    return y[0] if squeeze else y
+
+
+def sparse_gated_ffn(w_gate: torch.Tensor, w_up: torch.Tensor, wt_down: torch.Tensor, x: torch.Tensor,
+                     idx: torch.Tensor, act: str = "silu", up_act: str | None = None, criterion: str = "none",
+                     threshold: float = 0.0, *, check: bool = True,
+                     threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated FFN over the active neurons: returns (output (.., d), neuron values (.., k)).
+
+    criterion "gate" zeroes neurons with |act(gate)| <= threshold (their up row is not read),
+    "gate_up" those with |act(gate) * up| <= threshold; zeroed neurons skip their down row.
+    """
+    if criterion not in CRITERIA:
+        raise BadArgumentError(f"criterion must be one of {', '.join(CRITERIA)}")
+    n_ff = w_gate.shape[0]
+    if w_up.shape != w_gate.shape or wt_down.shape[0] != n_ff:
+        raise BadArgumentError("w_gate, w_up must be (n_ff, d) and wt_down (n_ff, d_out)")
+    if check:
+        validate(idx, n_ff)
+    x2, squeeze = _as_2d(x)
+    if not _on_cpu(w_gate, w_up, wt_down, x2, idx):
+        out, h = gpu.sparse_gated_ffn(w_gate, w_up, wt_down, x2, idx, act, up_act, CRITERIA[criterion], threshold)
+    else:
+        _set_threads(threads)
+        out_np = np.zeros((x2.shape[0], wt_down.shape[1]), dtype=np.float32)
+        h_np = np.zeros((x2.shape[0], idx.shape[0]), dtype=np.float32)
+        if idx.shape[0]:
+            sparse_cpu.gated_ffn(_weights(w_gate, "w_gate"), _weights(w_up, "w_up"), _weights(wt_down, "wt_down"),
+                                 _f32(x2), idx.numpy(), ACT_IDS[act], ACT_IDS[up_act] if up_act else -1,
+                                 CRITERIA[criterion], np.float32(threshold), sparse_cpu.default_chunks(), h_np,
+                                 out_np, False)
+        out, h = torch.from_numpy(out_np), torch.from_numpy(h_np)
+    return (out[0], h[0]) if squeeze else (out, h)
+
+
+def predictor_logits(w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
+                     x: torch.Tensor, *, threads: int | None = None) -> torch.Tensor:
+    """Activation-predictor logits W2 relu(W1 x + b1) + b2, (.., n_ff)."""
+    x2, squeeze = _as_2d(x)
+    if not _on_cpu(w1, w2, x2):
+        y = gpu.predictor_logits(w1, b1, w2, b2, x2)
+        return y[0] if squeeze else y
+    _set_threads(threads)
+    no_idx = np.zeros(0, dtype=np.int64)
+    hidden = np.empty((x2.shape[0], w1.shape[0]), dtype=np.float32)
+    sparse_cpu.row_gemv(_weights(w1, "w1"), _f32(x2), no_idx, NO_BIAS if b1 is None else _f32(b1), ACT_IDS["relu"],
+                        hidden)
+    out = np.empty((x2.shape[0], w2.shape[0]), dtype=np.float32)
+    sparse_cpu.row_gemv(_weights(w2, "w2"), hidden, no_idx, NO_BIAS if b2 is None else _f32(b2), -1, out)
+    y = torch.from_numpy(out)
+    return y[0] if squeeze else y
+
+
+def threshold_to_index(logits: torch.Tensor, threshold: float | torch.Tensor,
+                       index_dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Sorted indices of neurons whose logit exceeds the threshold (scalar or per neuron)
+    for any of the tokens: the active set to hand to the sparse ops."""
+    l2, _ = _as_2d(logits)
+    thr = torch.as_tensor(threshold, dtype=torch.float32).flatten()
+    if thr.numel() not in (1, l2.shape[1]):
+        raise BadArgumentError(f"threshold must be a scalar or one value per neuron ({l2.shape[1]})")
+    if not _on_cpu(l2, thr):
+        return gpu.threshold_to_index(l2, thr if thr.numel() > 1 else thr[0]).to(index_dtype)
+    probe = np.zeros(0, dtype=np.int32 if index_dtype == torch.int32 else np.int64)
+    return torch.from_numpy(sparse_cpu.threshold_to_index(_f32(l2), thr.numpy(), probe))

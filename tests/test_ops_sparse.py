@@ -1,0 +1,120 @@
+"""Sparse ops (numba CPU kernels and the torch GPU-tier path run on CPU tensors) against
+the dense reference definitions, over dtypes, odd shapes, index sets and token batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from powerinfer.errors import BadArgumentError
+from powerinfer.ops import gpu, reference, sparse
+
+N, D = 301, 77  # odd, not multiples of 16
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def index_set(kind: str, n: int = N, dtype=torch.int64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    if kind == "empty":
+        idx = torch.zeros(0, dtype=torch.long)
+    elif kind == "full":
+        idx = torch.arange(n)
+    elif kind == "sorted":
+        idx = torch.sort(torch.randperm(n, generator=g)[: n // 5]).values
+    else:
+        idx = torch.randperm(n, generator=g)[: n // 3]
+    return idx.to(dtype)
+
+
+def tol(dtype):
+    return dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+
+
+def gpu_row_gemv(w, x, idx, bias=None, act=None):
+    return gpu.sparse_row_gemv(w, x if x.dim() == 2 else x[None], idx, bias, act).reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["random", "sorted", "empty", "full"])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_row_gemv(dtype, kind, idx_dtype, tokens):
+    w = torch.randn(N, D).to(dtype)
+    bias = torch.randn(N)
+    x = torch.randn(tokens, D) if tokens > 1 else torch.randn(D)
+    idx = index_set(kind, dtype=idx_dtype)
+    for act in (None, "relu", "silu"):
+        expected = reference.sparse_row_gemv(w, x, idx, bias, act)
+        torch.testing.assert_close(sparse.sparse_row_gemv(w, x, idx, bias, act), expected, **tol(dtype))
+        if tokens > 1:
+            torch.testing.assert_close(gpu_row_gemv(w, x, idx.long(), bias, act), expected, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["random", "sorted", "empty", "full"])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_col_axpy(dtype, kind, tokens):
+    wt = torch.randn(N, D).to(dtype)
+    idx = index_set(kind)
+    a = torch.randn(tokens, len(idx)) if tokens > 1 else torch.randn(len(idx))
+    if len(idx) > 2:
+        a[..., 1] = 0.0  # skipped rows must not change the result
+    expected = reference.sparse_col_axpy(wt, a, idx)
+    torch.testing.assert_close(sparse.sparse_col_axpy(wt, a, idx), expected, **tol(dtype))
+    a2 = a if a.dim() == 2 else a[None]
+    torch.testing.assert_close(gpu.sparse_col_axpy(wt, a2, idx).reshape(expected.shape), expected, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["random", "empty", "full"])
+@pytest.mark.parametrize("criterion,threshold", [("none", 0.0), ("gate", 0.2), ("gate_up", 0.3)])
+@pytest.mark.parametrize("tokens,up_act", [(1, None), (3, None), (2, "relu")])
+def test_gated_ffn(dtype, kind, criterion, threshold, tokens, up_act):
+    w_gate, w_up = torch.randn(N, D).to(dtype), torch.randn(N, D).to(dtype)
+    wt_down = (torch.randn(N, D + 6) * 0.1).to(dtype)
+    x = torch.randn(tokens, D) * 0.3 if tokens > 1 else torch.randn(D) * 0.3
+    idx = index_set(kind)
+    exp_out, exp_h = reference.sparse_gated_ffn(w_gate, w_up, wt_down, x, idx, "silu", up_act, criterion, threshold)
+    out, h = sparse.sparse_gated_ffn(w_gate, w_up, wt_down, x, idx, "silu", up_act, criterion, threshold)
+    torch.testing.assert_close(h, exp_h, **tol(dtype))
+    torch.testing.assert_close(out, exp_out, **tol(dtype))
+    x2 = x if x.dim() == 2 else x[None]
+    g_out, g_h = gpu.sparse_gated_ffn(w_gate, w_up, wt_down, x2, idx, "silu", up_act,
+                                      sparse.CRITERIA[criterion], threshold)
+    torch.testing.assert_close(g_out.reshape(exp_out.shape), exp_out, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_predictor_and_threshold_to_index(dtype, tokens):
+    w1, b1 = torch.randn(13, D).to(dtype), torch.randn(13)
+    w2, b2 = torch.randn(N, 13).to(dtype), torch.randn(N)
+    x = torch.randn(tokens, D) if tokens > 1 else torch.randn(D)
+    expected = reference.predictor_logits(w1, b1, w2, b2, x)
+    logits = sparse.predictor_logits(w1, b1, w2, b2, x)
+    torch.testing.assert_close(logits, expected, **tol(dtype))
+    x2 = x if x.dim() == 2 else x[None]
+    torch.testing.assert_close(gpu.predictor_logits(w1, b1, w2, b2, x2).reshape(expected.shape), expected, **tol(dtype))
+    for thr in (0.0, 5.0, torch.randn(N), float("inf"), float("-inf")):
+        ref_idx = reference.threshold_to_index(expected, thr)
+        assert torch.equal(sparse.threshold_to_index(expected, thr), ref_idx)
+        thr_t = torch.as_tensor(thr, dtype=torch.float32)
+        assert torch.equal(gpu.threshold_to_index(expected if expected.dim() == 2 else expected[None], thr_t), ref_idx)
+    assert sparse.threshold_to_index(expected, 0.0, torch.int32).dtype == torch.int32
+
+
+@pytest.mark.parametrize("bad,message", [
+    (torch.tensor([0, 5, N]), "out of range"),
+    (torch.tensor([3, -1]), "out of range"),
+    (torch.tensor([4, 9, 4]), "duplicate index 4"),
+    (torch.tensor([1.0, 2.0]), "int32/int64"),
+    (torch.tensor([[1, 2]]), "1-D"),
+])
+def test_bad_indices_are_refused(bad, message):
+    w, x = torch.randn(N, D), torch.randn(D)
+    with pytest.raises(BadArgumentError, match=message):
+        sparse.sparse_row_gemv(w, x, bad)
+    with pytest.raises(BadArgumentError, match=message):
+        sparse.sparse_col_axpy(w, torch.randn(bad.numel()), bad)
+    with pytest.raises(BadArgumentError, match=message):
+        sparse.sparse_gated_ffn(w, w, w, x, bad)

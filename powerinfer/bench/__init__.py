@@ -1,0 +1,1 @@
+"""Benchmarks run by `powerinfer bench TARGET` (never by the test suite)."""

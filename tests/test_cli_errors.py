@@ -107,3 +107,12 @@ def test_generate_and_chat_run(chat_model_dir):
                 stdin="Hi there\n/reset\nAnother question\n/exit\n")
     assert r.returncode == 0, r.stderr
     assert len([l for l in r.stdout.splitlines()]) >= 2
+
+
+def test_bench_ops_runs_on_a_small_shape(tmp_path):
+    plot = tmp_path / "ops.png"
+    r = run_cli("bench", "ops", "--rows", "300", "--cols", "64", "--dtypes", "fp32,fp16", "--fractions", "0.1,1",
+                "--repeats", "1", "--plot", str(plot))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("| float32 |") == 2 and r.stdout.count("| float16 |") == 2
+    assert plot.stat().st_size > 1000

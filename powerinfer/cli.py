@@ -14,6 +14,7 @@ from .errors import PowerInferError
 SUBCOMMANDS = {
     "generate": ("powerinfer.commands.generate", "generate text from a prompt"),
     "chat": ("powerinfer.commands.chat", "interactive multi-turn chat"),
+    "profile": ("powerinfer.commands.profile", "activation statistics, thresholds, training samples"),
     "bench": ("powerinfer.commands.bench", "speed benchmarks"),
 }
 

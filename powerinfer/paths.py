@@ -69,3 +69,8 @@ def content_hash(path: str) -> str:
     memo.parent.mkdir(parents=True, exist_ok=True)
     memo.write_text(digest)
     return digest
+
+
+def model_cache_dir(model_hash: str) -> Path:
+    """Where the offline pipeline keeps one model's artefacts (profile, predictors, ...)."""
+    return cache_dir() / "models" / model_hash

@@ -23,23 +23,6 @@ def assert_clean_error(result: subprocess.CompletedProcess, fragment: str) -> No
     assert len(lines) == 1 and fragment in lines[0], result.stderr
 
 
-@pytest.fixture(scope="module")
-def chat_model_dir(tmp_path_factory, smollm2_path):
-    """A tiny random llama with SmolLM2's tokenizer and chat template and a 64-token context."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from powerinfer.tokenizer import load_tokenizer
-
-    path = tmp_path_factory.mktemp("chat-model")
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    load_tokenizer(smollm2_path).hf.save_pretrained(path)
-    return path
-
-
 def test_missing_model_file():
     assert_clean_error(run_cli("generate", "-m", "/nonexistent/model.gguf", "-p", "hi"), "no such file")
 

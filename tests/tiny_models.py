@@ -57,3 +57,23 @@ def build_tiny(name: str, out: Path) -> Path:
     path = out / name
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def build_tokenized_llama(out: Path, smollm2_path: str, **overrides) -> Path:
+    """A tiny random llama with SmolLM2's tokenizer (vocab 49152), so it takes text prompts."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from powerinfer.tokenizer import load_tokenizer
+
+    cfg = dict(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, eos_token_id=2,
+               bos_token_id=1)
+    cfg.update(overrides)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(out)
+    load_tokenizer(smollm2_path).hf.save_pretrained(out)
+    return out

@@ -74,6 +74,18 @@ class DenseFFN:
             up = self.up_act(up)
         return self.act(gate) * up
 
+    def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(act(gate x), up x) for a gated FFN, (act(fc1 x), None) for a plain one; torch ops,
+        any batch size. Neuron values are a * u (or a)."""
+        h = self.w_in(x)
+        if not self.gated:
+            return self.act(h), None
+        up = h[..., self.n_ff :]
+        return self.act(h[..., : self.n_ff]), self.up_act(up) if self.up_act is not None else up
+
+    def down(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.w_out(h, residual=residual)
+
     def _hidden_one(self, h: torch.Tensor) -> torch.Tensor:
         if not self.gated:
             cpu.act_inplace(h.numpy(), self._act_id)
@@ -87,3 +99,36 @@ class DenseFFN:
 
     def tensors(self) -> list[torch.Tensor]:
         return self.w_in.tensors() + self.w_out.tensors()
+
+
+def neuron_scores(a: torch.Tensor, u: torch.Tensor | None, criterion: str) -> torch.Tensor:
+    """How strongly each neuron fires: |act(gate)| ("gate", CATS) or |act(gate) * up|
+    ("gate_up"); for a plain FFN both are |act(fc1)|."""
+    if criterion == "gate" or u is None:
+        return a.abs()
+    if criterion == "gate_up":
+        return (a * u).abs()
+    raise ValueError(f"unknown criterion {criterion!r}")
+
+
+class InstrumentedFFN:
+    """A DenseFFN that reports neuron scores to an observer and, given a threshold, zeroes
+    neurons whose score is <= it: the sparse model's exact definition ("oracle" activity)."""
+
+    def __init__(self, ffn: DenseFFN, criterion: str, threshold: float | None = None,
+                 observer: Callable[[torch.Tensor, torch.Tensor], None] | None = None):
+        self.ffn, self.criterion, self.threshold, self.observer = ffn, criterion, threshold, observer
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        a, u = self.ffn.parts(x)
+        h = a if u is None else a * u
+        if self.observer is not None or self.threshold is not None:
+            score = neuron_scores(a, u, self.criterion)
+            if self.observer is not None:
+                self.observer(x, score)
+            if self.threshold is not None:
+                h = h.masked_fill(score <= self.threshold, 0.0)
+        return self.ffn.down(h, residual)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.ffn.tensors()

@@ -1,0 +1,1 @@
+"""The offline pipeline: profile -> train -> solve -> pack, one module (and main) per step."""

@@ -15,6 +15,8 @@ SUBCOMMANDS = {
     "generate": ("powerinfer.commands.generate", "generate text from a prompt"),
     "chat": ("powerinfer.commands.chat", "interactive multi-turn chat"),
     "profile": ("powerinfer.commands.profile", "activation statistics, thresholds, training samples"),
+    "solve": ("powerinfer.commands.solve", "place neurons on GPU/CPU under a VRAM budget (ILP)"),
+    "hardware": ("powerinfer.commands.hardware", "hardware profiles: list, show, measure"),
     "bench": ("powerinfer.commands.bench", "speed benchmarks"),
 }
 

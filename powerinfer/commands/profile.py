@@ -48,6 +48,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hot-coverage", type=float, default=0.8, help="--synthetic: their share of activations (0.8)")
 
 
+def model_shape_dict(args, path: str) -> dict:
+    from dataclasses import asdict
+
+    from ..hardware import shape_of_args
+
+    return asdict(shape_of_args(args, os.path.basename(path.rstrip("/"))))
+
+
 def default_profile_dir(model_path: str) -> str:
     from ..paths import content_hash, model_cache_dir
 
@@ -98,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     manifest = {
         "model": {"hash": content_hash(lm.path), "path": os.path.abspath(lm.path), "family": a.family,
                   "name": os.path.basename(lm.path.rstrip("/")), "n_layers": a.n_layers, "d_model": a.d_model,
-                  "n_ff": a.ffn_dim, "act": a.act, "dtype": args.dtype},
+                  "n_ff": a.ffn_dim, "act": a.act, "dtype": args.dtype, "shape": model_shape_dict(a, lm.path)},
         "dataset": {"name": args.dataset, "seed": args.seed, "n_profile": len(profile_set),
                     "n_heldout": len(heldout_set), "max_tokens": args.max_tokens, "split_file": "split.json"},
     }
@@ -130,7 +138,7 @@ def run_synthetic(args: argparse.Namespace) -> int:
         layers, ffn = layers or margs.n_layers, ffn or margs.ffn_dim
         model_info = {"hash": content_hash(path), "path": os.path.abspath(path), "family": margs.family,
                       "n_layers": margs.n_layers, "d_model": margs.d_model, "n_ff": margs.ffn_dim,
-                      "name": os.path.basename(path)}
+                      "name": os.path.basename(path), "shape": model_shape_dict(margs, path)}
         if (layers, ffn) != (margs.n_layers, margs.ffn_dim):
             raise BadArgumentError("--layers/--ffn differ from the model's shape; omit -m for a shape-only profile")
     if not args.output:

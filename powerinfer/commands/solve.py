@@ -1,0 +1,102 @@
+"""`powerinfer solve`: place neurons on GPU/CPU under a VRAM budget (ILP over the cost model).
+
+    powerinfer solve [-m MODEL] [--profile DIR] [--hardware NAME|FILE] [--vram-budget SIZE]
+                     [--shape NAME] [--explain] -o FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import fields
+
+from ..errors import BadArgumentError
+from ..hardware import KNOWN_SHAPES, WEIGHT_BYTES, ModelShape, dense_offload_time, load_hardware
+from ..units import format_size, parse_size
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default=None, help="model whose profile to use (default: embedded model)")
+    p.add_argument("--profile", default=None, help="profile directory (default: the model's cache dir)")
+    p.add_argument("--shape", default=None, choices=sorted(KNOWN_SHAPES),
+                   help="model shape for a shape-only (synthetic) profile")
+    p.add_argument("--hardware", default="rtx4090", help="built-in (rtx4090, rtx2080ti, h200, cpu) or a JSON/TOML file")
+    p.add_argument("--vram-budget", default=None, help="GPU bytes to use, e.g. 6GiB (default: all of the GPU)")
+    p.add_argument("--weights", default="fp16", choices=sorted(WEIGHT_BYTES), help="weight storage type (default fp16)")
+    p.add_argument("--group-size", type=int, default=64, help="neurons per ILP decision (default 64)")
+    p.add_argument("--objective", choices=["time", "impact"], default="time",
+                   help="minimise predicted time (default) or maximise GPU activation mass (the paper's)")
+    p.add_argument("--time-limit", type=float, default=10.0, help="solver seconds (default 10)")
+    p.add_argument("--context", type=int, default=2048, help="context length the KV cache is sized for")
+    p.add_argument("--kv-on-gpu", action="store_true", help="count the KV cache in the GPU budget")
+    p.add_argument("--predictor-rank", type=int, default=128, help="predictor hidden size to reserve GPU memory for")
+    p.add_argument("--explain", action="store_true", help="print the per-layer table")
+    p.add_argument("-o", "--output", default=None, help="placement JSON (default: the model's cache dir)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --output file")
+
+
+def shape_from_manifest(manifest: dict) -> ModelShape | None:
+    data = manifest.get("model", {}).get("shape")
+    if not data:
+        return None
+    return ModelShape(**{f.name: data[f.name] for f in fields(ModelShape) if f.name in data})
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..offline.solve import build_problem, explain, greedy, placement_document, solve
+    from ..offline.stats import Profile
+
+    hw = load_hardware(args.hardware)
+    model_hash = None
+    if args.shape:
+        shape = KNOWN_SHAPES[args.shape]
+        if not args.profile:
+            raise BadArgumentError("--shape needs --profile DIR (e.g. from `powerinfer profile --synthetic`)")
+        profile = Profile.load(args.profile)
+    else:
+        from ..commands.profile import default_profile_dir
+        from ..loader import resolve_model_path
+        from ..paths import content_hash
+
+        path = resolve_model_path(args.model) if (args.model or not args.profile) else None
+        model_hash = content_hash(path) if path else None
+        profile_dir = args.profile or default_profile_dir(path)
+        profile = Profile.load(profile_dir, model_hash=model_hash)
+        model_hash = model_hash or profile.model_hash
+        shape = shape_from_manifest(profile.manifest)
+        if shape is None:
+            raise BadArgumentError(f"{profile_dir}: the profile records no model shape; pass --shape")
+    budget = parse_size(args.vram_budget) if args.vram_budget is not None else hw.gpu_memory
+    problem = build_problem(profile, shape, hw, budget, args.weights, args.group_size, args.context, args.kv_on_gpu,
+                            True, args.predictor_rank)
+    best = solve(problem, args.objective, args.time_limit)
+    others = {"greedy": greedy(problem)}
+    if args.objective == "time":
+        others["ilp-impact"] = solve(problem, "impact", args.time_limit)
+    offload_t, offload_layers = dense_offload_time(shape, hw, args.weights, budget, args.context)
+    doc = placement_document(problem, best, others, {"tokens_per_s": 1 / offload_t, "gpu_layers": offload_layers},
+                             model_hash, profile.path)
+    out = args.output
+    if out is None:
+        from ..paths import model_cache_dir
+
+        out = str(model_cache_dir(model_hash or "shape-" + shape.name) / f"placement-{hw.name}-{budget}.json")
+    elif os.path.exists(out) and not args.force:
+        raise BadArgumentError(f"{out} exists; pass --force to overwrite it")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(doc, f)
+    if args.explain:
+        print(explain(doc))
+    b = doc["budget"]
+    sol = doc["solution"]
+    print(f"{shape.name} on {hw.name}, budget {format_size(budget)} (mandatory {format_size(sum(b['mandatory'].values()))},"
+          f" neurons {format_size(b['neurons'])}, free {format_size(b['free'])})")
+    gap = "n/a" if sol["gap"] is None else f"{sol['gap']:.2e}"
+    print(f"ILP ({args.objective}): {sol['tokens_per_s']:.2f} tok/s predicted, solved in {sol['solve_seconds']:.2f} s, "
+          f"gap {gap}, LP bound {sol['lp_bound']:.6g}, objective {sol['objective']:.6g}")
+    for name, o in doc["baselines"].items():
+        print(f"  {name}: {o['tokens_per_s']:.2f} tok/s" + (f" ({o['gpu_layers']} GPU layers)" if "gpu_layers" in o else ""))
+    print(f"GPU share of neuron load: {doc['gpu_share_of_neuron_load']:.3f}; wrote {out}")
+    return 0

@@ -203,6 +203,7 @@ class LayerCosts:
     sync: float  # one CPU->GPU merge for a layer not entirely on the GPU
     gpu_overhead: float
     cpu_overhead: float
+    dense_on_gpu: bool = True  # where attention runs; decides which layers pay the sync
 
 
 def layer_costs(shape: ModelShape, hw: HardwareProfile, dtype: str, context: int = 512,
@@ -222,14 +223,17 @@ def layer_costs(shape: ModelShape, hw: HardwareProfile, dtype: str, context: int
         sync = hw.sync_overhead + 2 * (hw.pcie_latency + shape.d_model * 4 / hw.pcie_bandwidth)
     return LayerCosts(gpu_per_neuron=nb / gpu_bw if gpu else float("inf"), cpu_per_neuron=nb / cpu_bw,
                       attention=attention, sync=sync, gpu_overhead=hw.gpu_layer_overhead if gpu else 0.0,
-                      cpu_overhead=hw.cpu_layer_overhead)
+                      cpu_overhead=hw.cpu_layer_overhead, dense_on_gpu=gpu and dense_on_gpu)
 
 
 def layer_time(costs: LayerCosts, gpu_load: float, cpu_load: float, has_gpu_part: bool, all_on_gpu: bool) -> float:
     """Seconds of one layer for expected active-neuron loads on each tier."""
     gpu = costs.gpu_per_neuron * gpu_load + (costs.gpu_overhead if has_gpu_part else 0.0)
     cpu = costs.cpu_per_neuron * cpu_load + (costs.cpu_overhead if not all_on_gpu else 0.0)
-    return costs.attention + max(gpu, cpu) + (0.0 if all_on_gpu else costs.sync)
+    # attention on the GPU: a layer pays the sync unless its FFN is all there; attention on
+    # the CPU: a layer pays it as soon as it has a GPU part
+    synced = not all_on_gpu if costs.dense_on_gpu else has_gpu_part
+    return costs.attention + max(gpu, cpu) + (costs.sync if synced else 0.0)
 
 
 def head_time(shape: ModelShape, hw: HardwareProfile, dtype: str, on_gpu: bool) -> float:

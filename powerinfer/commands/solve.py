@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-limit", type=float, default=10.0, help="solver seconds (default 10)")
     p.add_argument("--context", type=int, default=2048, help="context length the KV cache is sized for")
     p.add_argument("--kv-on-gpu", action="store_true", help="count the KV cache in the GPU budget")
+    p.add_argument("--attention", choices=["auto", "gpu", "cpu"], default="auto",
+                   help="where attention and the LM head live (auto: GPU when they leave half the budget)")
     p.add_argument("--predictor-rank", type=int, default=128, help="predictor hidden size to reserve GPU memory for")
     p.add_argument("--explain", action="store_true", help="print the per-layer table")
     p.add_argument("-o", "--output", default=None, help="placement JSON (default: the model's cache dir)")
@@ -44,7 +46,7 @@ def shape_from_manifest(manifest: dict) -> ModelShape | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..offline.solve import build_problem, explain, greedy, placement_document, solve
+    from ..offline.solve import build_problem, explain, greedy, placement_document, solve, solve_auto
     from ..offline.stats import Profile
 
     hw = load_hardware(args.hardware)
@@ -68,9 +70,15 @@ def run(args: argparse.Namespace) -> int:
         if shape is None:
             raise BadArgumentError(f"{profile_dir}: the profile records no model shape; pass --shape")
     budget = parse_size(args.vram_budget) if args.vram_budget is not None else hw.gpu_memory
-    problem = build_problem(profile, shape, hw, budget, args.weights, args.group_size, args.context, args.kv_on_gpu,
-                            True, args.predictor_rank)
-    best = solve(problem, args.objective, args.time_limit)
+    def build(dense_on_gpu: bool):
+        return build_problem(profile, shape, hw, budget, args.weights, args.group_size, args.context, args.kv_on_gpu,
+                             dense_on_gpu, args.predictor_rank)
+
+    if args.attention == "auto":
+        problem, best = solve_auto(build, args.objective, args.time_limit)
+    else:
+        problem = build(args.attention == "gpu")
+        best = solve(problem, args.objective, args.time_limit)
     others = {"greedy": greedy(problem)}
     if args.objective == "time":
         others["ilp-impact"] = solve(problem, "impact", args.time_limit)

@@ -63,6 +63,7 @@ class Problem:
     sizes: list[np.ndarray]  # per layer: neurons per group
     min_neurons: list[int]
     neuron_bytes: int
+    dense_on_gpu: bool = True
 
     @property
     def room(self) -> int:
@@ -100,8 +101,8 @@ def mandatory_gpu_bytes(shape: ModelShape, dtype: str, context: int, kv_on_gpu: 
 
 
 def build_problem(profile: Profile, shape: ModelShape, hw: HardwareProfile, budget: int, dtype: str = "fp16",
-                  group_size: int = 64, context: int = 2048, kv_on_gpu: bool = False, dense_on_gpu: bool = True,
-                  predictor_rank: int = 128) -> Problem:
+                  group_size: int = 64, context: int = 2048, kv_on_gpu: bool = False,
+                  dense_on_gpu: bool | None = None, predictor_rank: int = 128) -> Problem:
     """Validate inputs and precompute groups, loads and costs."""
     if len(profile.layers) != shape.n_layers:
         raise BadArgumentError(f"profile has {len(profile.layers)} layers, the model {shape.n_layers}")
@@ -115,6 +116,9 @@ def build_problem(profile: Profile, shape: ModelShape, hw: HardwareProfile, budg
         raise BadArgumentError(f"hardware {hw.name!r} has no GPU; nothing to place")
     if budget > hw.gpu_memory:
         raise BadArgumentError(f"budget {budget / 2**30:.2f} GiB exceeds the GPU's {hw.gpu_memory / 2**30:.2f} GiB")
+    if dense_on_gpu is None:  # attention on the GPU when it fits (see solve_auto to compare both)
+        dense = mandatory_gpu_bytes(shape, dtype, context, kv_on_gpu, True, predictor_rank)
+        dense_on_gpu = sum(dense.values()) <= budget
     mandatory = mandatory_gpu_bytes(shape, dtype, context, kv_on_gpu, dense_on_gpu, predictor_rank)
     if budget < sum(mandatory.values()):
         parts = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in mandatory.items())
@@ -135,7 +139,8 @@ def build_problem(profile: Profile, shape: ModelShape, hw: HardwareProfile, budg
         cum = np.cumsum(rate[idx]) * saving
         k = int(np.searchsorted(cum, need)) + 1 if need > 0 else 1
         mins.append(min(k, shape.n_ff))
-    return Problem(shape, hw, dtype, budget, mandatory, costs, order, loads, sizes, mins, shape.neuron_bytes(dtype))
+    return Problem(shape, hw, dtype, budget, mandatory, costs, order, loads, sizes, mins, shape.neuron_bytes(dtype),
+                   dense_on_gpu)
 
 
 def predicted_time(problem: Problem, n_gpu_groups: list[int]) -> float:
@@ -241,6 +246,24 @@ def solve(problem: Problem, objective: str = "time", time_limit: float = 10.0, m
                                   lp_bound=lp_bound)
 
 
+def solve_auto(build, objective: str = "time", time_limit: float = 10.0) -> tuple[Problem, Placement]:
+    """Solve with attention on the GPU and on the CPU (where each is feasible) and keep the
+    faster; `build(dense_on_gpu)` makes the Problem."""
+    best = None
+    for dense in (True, False):
+        try:
+            problem = build(dense)
+        except BadArgumentError as e:
+            if "smaller than the parts" in str(e) and dense:
+                continue
+            raise
+        placement = solve(problem, objective, time_limit)
+        if best is None or placement.predicted_time < best[1].predicted_time:
+            best = (problem, placement)
+    assert best is not None
+    return best
+
+
 def gpu_bytes(problem: Problem, placement: Placement) -> int:
     """GPU bytes the placement uses, mandatory parts included."""
     return sum(problem.mandatory.values()) + sum(len(g) for g in placement.gpu_neurons) * problem.neuron_bytes
@@ -265,6 +288,7 @@ def placement_document(problem: Problem, placement: Placement, others: dict[str,
         "format": "powerinfer-placement", "format_version": 1, "model_hash": model_hash, "profile": profile_path,
         "shape": asdict(problem.shape), "hardware": problem.hw.to_dict(), "dtype": problem.dtype,
         "group_size": int(problem.sizes[0][0]) if problem.sizes and len(problem.sizes[0]) else 0,
+        "dense_on_gpu": problem.dense_on_gpu,
         "budget": {"total": problem.budget, "mandatory": problem.mandatory, "neurons": neurons_gpu * problem.neuron_bytes,
                    "neuron_bytes": problem.neuron_bytes, "free": problem.budget - gpu_bytes(problem, placement)},
         "solution": summary(placement),

@@ -150,3 +150,28 @@ def test_profile_for_another_model_is_refused(tmp_path):
     r = run_cli("solve", "--profile", str(tmp_path / "syn"), "-m", __import__("powerinfer.paths").paths.default_model_path(),
                 "-o", str(tmp_path / "z.json"))
     assert r.returncode == 2 and "made for model" in r.stderr
+
+
+def test_hardware_profiles_measure_show_and_edit(tmp_path):
+    from powerinfer.hardware import load_hardware
+
+    out = tmp_path / "hw.json"
+    r = run_cli("hardware", "--measure", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    measured = load_hardware(str(out))
+    assert measured.cpu_bandwidth > 1e9 and measured.cpu_flops > 1e8
+    assert measured.gpu_memory == (0 if not torch.cuda.is_available() else measured.gpu_memory)
+    r = run_cli("hardware", "--show", "rtx2080ti")
+    assert r.returncode == 0 and json.loads(r.stdout)["gpu_memory"] == 11 * 2**30
+    toml = tmp_path / "edited.toml"
+    fields = BUILTIN["rtx4090"].to_dict() | {"name": "my-pc", "gpu_memory": 8 * 2**30}
+    toml.write_text("\n".join(f"{k} = {json.dumps(v)}" for k, v in fields.items()))
+    assert load_hardware(str(toml)).gpu_memory == 8 * 2**30
+    toml.write_text('name = "x"\ngpu_memory = 1\n')
+    with pytest.raises(BadArgumentError, match="missing hardware fields"):
+        load_hardware(str(toml))
+    toml.write_text(toml.read_text() + "warp_drive = 1\n")
+    with pytest.raises(BadArgumentError, match="unknown hardware fields"):
+        load_hardware(str(toml))
+    with pytest.raises(BadArgumentError, match="unknown hardware"):
+        load_hardware("no-such-gpu")

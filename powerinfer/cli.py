@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "generate": ("powerinfer.commands.generate", "generate text from a prompt"),
     "chat": ("powerinfer.commands.chat", "interactive multi-turn chat"),
     "profile": ("powerinfer.commands.profile", "activation statistics, thresholds, training samples"),
+    "train": ("powerinfer.commands.train", "per-layer activation predictors from a profile"),
     "solve": ("powerinfer.commands.solve", "place neurons on GPU/CPU under a VRAM budget (ILP)"),
     "hardware": ("powerinfer.commands.hardware", "hardware profiles: list, show, measure"),
     "bench": ("powerinfer.commands.bench", "speed benchmarks"),

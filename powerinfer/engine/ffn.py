@@ -116,8 +116,12 @@ class InstrumentedFFN:
     neurons whose score is <= it: the sparse model's exact definition ("oracle" activity)."""
 
     def __init__(self, ffn: DenseFFN, criterion: str, threshold: float | None = None,
-                 observer: Callable[[torch.Tensor, torch.Tensor], None] | None = None):
+                 observer: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                 predictor: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """`predictor(x) -> bool mask`: also zero the neurons it does not select (what the
+        sparse engine computes: predicted AND above the threshold)."""
         self.ffn, self.criterion, self.threshold, self.observer = ffn, criterion, threshold, observer
+        self.predictor = predictor
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         a, u = self.ffn.parts(x)
@@ -128,6 +132,8 @@ class InstrumentedFFN:
                 self.observer(x, score)
             if self.threshold is not None:
                 h = h.masked_fill(score <= self.threshold, 0.0)
+        if self.predictor is not None:
+            h = h.masked_fill(~self.predictor(x), 0.0)
         return self.ffn.down(h, residual)
 
     def tensors(self) -> list[torch.Tensor]:

@@ -62,14 +62,17 @@ class instrumented:
     """Context manager: wrap every layer's FFN in an InstrumentedFFN, restore on exit."""
 
     def __init__(self, model: Model, criterion: str, thresholds: list[float] | None = None,
-                 observers: list[Callable[[torch.Tensor, torch.Tensor], None]] | None = None):
+                 observers: list[Callable[[torch.Tensor, torch.Tensor], None]] | None = None,
+                 predictors: list[Callable[[torch.Tensor], torch.Tensor]] | None = None):
         self.model, self.criterion, self.thresholds, self.observers = model, criterion, thresholds, observers
+        self.predictors = predictors
 
     def __enter__(self) -> Model:
         self.saved = [layer.ffn for layer in self.model.layers]
         for i, (layer, ffn) in enumerate(zip(self.model.layers, dense_ffns(self.model))):
             layer.ffn = InstrumentedFFN(ffn, self.criterion, None if self.thresholds is None else self.thresholds[i],
-                                        None if self.observers is None else self.observers[i])
+                                        None if self.observers is None else self.observers[i],
+                                        None if self.predictors is None else self.predictors[i])
         return self.model
 
     def __exit__(self, *exc) -> None:

@@ -1,0 +1,76 @@
+"""`powerinfer train`: per-layer activation predictors from a profile's samples.
+
+    powerinfer train [-m MODEL] [--profile DIR] [--recall 0.95] [--budget 0.10] [-o DIR]
+    powerinfer train --eval DIR [-m MODEL] [--profile DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from ..errors import BadArgumentError
+from .common import add_model_arguments, load_from_args
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--profile", default=None, help="profile directory (default: the model's cache dir)")
+    p.add_argument("--recall", type=float, default=0.95, help="recall target per layer (default 0.95)")
+    p.add_argument("--budget", type=float, default=0.10, help="max predictor/model parameter ratio (default 0.10)")
+    p.add_argument("--tolerance", type=float, default=0.02, help="precision change that counts (default 0.02)")
+    p.add_argument("--epochs", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--output", default=None, help="output directory (default: the model's cache dir)")
+    p.add_argument("--force", action="store_true", help="overwrite predictors in --output")
+    p.add_argument("--eval", metavar="DIR", default=None, help="evaluate the predictors in DIR instead of training")
+    p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts for --eval (default 16)")
+    p.add_argument("--gen-tokens", type=int, default=128, help="greedy tokens for the agreement (default 128)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..offline.stats import Profile
+    from ..offline.train import Predictors, TrainSettings, file_hash, train_predictors
+    from ..paths import content_hash, model_cache_dir
+
+    if not 0 < args.recall < 1:
+        raise BadArgumentError("--recall must be in (0, 1)")
+    if not 0 < args.budget <= 1:
+        raise BadArgumentError("--budget must be in (0, 1]")
+    lm = load_from_args(args)
+    model_hash = content_hash(lm.path)
+    cache = model_cache_dir(model_hash)
+    profile = Profile.load(args.profile or str(cache / "profile"), model_hash=model_hash)
+    if args.eval:
+        from ..offline.evaluate import evaluate_predictors
+
+        preds = Predictors.load(args.eval, model_hash, file_hash(os.path.join(profile.path, "stats.safetensors")))
+        result = evaluate_predictors(lm, profile, preds, args.eval_prompts, gen_tokens=args.gen_tokens)
+        with open(os.path.join(args.eval, "eval.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        print("| layer | rank | recall | precision | predicted / actual active |\n|---|---|---|---|---|")
+        for l in result["layers"]:
+            print(f"| {l['layer']} | {l['rank']} | {l['recall']:.3f} | {l['precision']:.3f} | {l['predicted_active']:.2f} |")
+        ppl, agree = result["perplexity"], result["greedy_agreement"]
+        print(f"\nheld-out: {result['prompts']} prompts, {result['tokens']} tokens")
+        for v in ("dense", "oracle", "predicted"):
+            print(f"{v}: perplexity {ppl[v]:.3f}, greedy agreement {agree[v]:.3f} over {result['gen_tokens']} tokens "
+                  f"x {result['agreement_prompts']} prompts")
+        return 0
+    out = args.output or str(cache / "predictors")
+    if args.output and os.path.exists(os.path.join(out, "manifest.json")) and not args.force:
+        raise BadArgumentError(f"{out} already holds predictors; pass --force to overwrite them")
+    settings = TrainSettings(recall=args.recall, budget=args.budget, tolerance=args.tolerance, epochs=args.epochs,
+                             seed=args.seed)
+    preds = train_predictors(profile, lm.model.num_parameters(), settings)
+    preds.save(out)
+    print("| layer | rank | threshold | recall | precision | predicted sparsity | true sparsity |")
+    print("|---|---|---|---|---|---|---|")
+    for i, p in enumerate(preds.layers):
+        print(f"| {i} | {p.rank} | {p.threshold:.3f} | {p.recall:.3f} | {p.precision:.3f} | "
+              f"{p.predicted_sparsity:.3f} | {p.true_sparsity:.3f} |")
+    m = preds.manifest
+    print(f"\npredictors: {m['predictor_params']} parameters = {m['param_ratio']:.2%} of the model's "
+          f"{m['model_params']}; wrote {out}")
+    return 0

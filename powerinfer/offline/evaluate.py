@@ -1,0 +1,96 @@
+"""`powerinfer train --eval`: predictors on held-out prompts, per layer and end to end.
+
+Three variants of the model on the profile's held-out prompts: dense; oracle (neurons with
+score <= threshold zeroed: the sparse model's definition); predicted (additionally zeroed
+where the predictor says inactive: what the sparse engine computes). Reported: per layer
+recall/precision of the predictor against the oracle mask, held-out perplexity, and greedy
+agreement: over a dense greedy continuation of `gen_tokens` tokens, the share of positions
+where the variant, fed the same prefix, picks the same next token (teacher-forced, so one
+early difference does not count as all later ones).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from tqdm import tqdm
+
+from ..data import load_prompts
+from ..errors import BadArgumentError
+from ..loader import LoadedModel
+from .profile import instrumented, perplexity, tokenize
+from .stats import Profile
+from .train import Predictors
+
+
+def heldout_texts(profile: Profile, limit: int) -> list[str]:
+    split_path = os.path.join(profile.path, "split.json")
+    if not os.path.isfile(split_path):
+        raise BadArgumentError(f"{profile.path}: no split.json; cannot find the held-out prompts")
+    with open(split_path) as f:
+        ids = json.load(f)["heldout"][:limit]
+    if not ids:
+        raise BadArgumentError(f"{profile.path}: the profile kept no held-out prompts (--heldout 0)")
+    by_id = {p.id: p.text for p in load_prompts(profile.manifest["dataset"]["name"])}
+    return [by_id[i] for i in ids if i in by_id]
+
+
+@torch.inference_mode()
+def greedy_agreement(lm: LoadedModel, prompts: list[torch.Tensor], gen_tokens: int, variant) -> float:
+    """Share of next-token choices equal to dense greedy's along dense's own continuation."""
+    model = lm.model
+    agree = total = 0
+    for ids in tqdm(prompts, desc="greedy agreement", unit="prompt", leave=False):
+        cache = model.new_cache(len(ids) + gen_tokens)
+        logits = model.forward(ids, cache)
+        dense = []
+        for _ in range(gen_tokens):
+            tok = int(logits.argmax())
+            dense.append(tok)
+            logits = model.forward(torch.tensor([tok]), cache)
+        seq = torch.cat([ids, torch.tensor(dense)])
+        with variant():
+            out = model.forward(seq, model.new_cache(len(seq)), all_logits=True)
+        choices = out[len(ids) - 1 : len(seq) - 1].argmax(-1)
+        agree += int((choices == torch.tensor(dense)).sum())
+        total += gen_tokens
+    return agree / max(total, 1)
+
+
+def evaluate_predictors(lm: LoadedModel, profile: Profile, preds: Predictors, n_prompts: int = 16,
+                        max_tokens: int = 256, gen_tokens: int = 128, agreement_prompts: int = 8) -> dict:
+    model = lm.model
+    texts = heldout_texts(profile, n_prompts)
+    tokens = tokenize(lm, texts, max_tokens)
+    thresholds, criterion = profile.thresholds, profile.criterion
+    L = len(preds.layers)
+    counts = torch.zeros(L, 3, dtype=torch.float64)  # tp, predicted, actual
+
+    def observer(i):
+        def observe(x, score):
+            actual = score > thresholds[i]
+            pred = preds.layers[i].active(x)
+            counts[i] += torch.tensor([(pred & actual).sum().item(), pred.sum().item(), actual.sum().item()],
+                                      dtype=torch.float64)
+        return observe
+
+    with instrumented(model, criterion, thresholds, observers=[observer(i) for i in range(L)]):
+        oracle_ppl = perplexity(model, tokens, "oracle ppl")
+    dense_ppl = perplexity(model, tokens, "dense ppl")
+    predict = [p.active for p in preds.layers]
+    with instrumented(model, criterion, thresholds, predictors=predict):
+        predicted_ppl = perplexity(model, tokens, "predicted ppl")
+    prompts = [t[:64] for t in tokens[:agreement_prompts]]
+    oracle_agree = greedy_agreement(lm, prompts, gen_tokens, lambda: instrumented(model, criterion, thresholds))
+    predicted_agree = greedy_agreement(lm, prompts, gen_tokens,
+                                       lambda: instrumented(model, criterion, thresholds, predictors=predict))
+    layers = [{"layer": i, "rank": p.rank, "recall": float(counts[i, 0] / max(counts[i, 2], 1)),
+               "precision": float(counts[i, 0] / max(counts[i, 1], 1)),
+               "predicted_active": float(counts[i, 1] / max(counts[i, 2], 1))} for i, p in enumerate(preds.layers)]
+    return {"prompts": len(tokens), "tokens": int(sum(len(t) for t in tokens)), "gen_tokens": gen_tokens,
+            "agreement_prompts": len(prompts),
+            "perplexity": {"dense": dense_ppl, "oracle": oracle_ppl, "predicted": predicted_ppl},
+            "greedy_agreement": {"dense": 1.0, "oracle": oracle_agree, "predicted": predicted_agree},
+            "layers": layers}

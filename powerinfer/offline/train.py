@@ -1,0 +1,320 @@
+"""`powerinfer train`: one activation predictor per layer, sized per layer.
+
+Predictor: logits = W2 relu(W1 x + b1) + b2, W1 (r x d), W2 (n_ff x r); a neuron is
+predicted active when its logit exceeds the layer's threshold tau. Trained with a
+class-weighted BCE on the profiler's (FFN input, active mask) samples, full-batch-free
+(mini-batches of whole tensors, no per-sample Python), Adam, early stopping on validation.
+
+tau is chosen on validation so that recall (share of truly active (token, neuron) pairs
+that are predicted) reaches the target R; what a bigger predictor buys is then precision
+(fewer neurons computed for nothing), so sizing compares precision at recall R:
+
+* the starting rank comes from the layer's sparsity and skew (sparser, more skewed layers
+  start smaller): r0 = clip(d * (1 - sparsity) * (1 - gini / 2), r_min, r_max), to a power of 2;
+* shrink: halve r while precision stays within `tolerance` of the best precision seen;
+* grow: double r while that raises precision by more than `tolerance`;
+* budget: while all predictors together exceed F x the model's parameters, move the layer
+  whose next-smaller tried rank loses the least precision per parameter saved to it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..errors import BadArgumentError, PowerInferError
+from .stats import Profile
+
+FORMAT = "powerinfer-predictors"
+FORMAT_VERSION = 1
+
+
+class PredictorError(PowerInferError):
+    """Predictor files missing, corrupt, or made for another model or profile."""
+
+
+@dataclass
+class TrainSettings:
+    recall: float = 0.95
+    budget: float = 0.10  # max predictor / model parameter ratio
+    tolerance: float = 0.02  # precision difference that counts as "holds" / "buys"
+    r_min: int = 8
+    r_max: int = 1024
+    epochs: int = 40
+    batch_size: int = 1024
+    lr: float = 1e-2
+    val_fraction: float = 0.2
+    patience: int = 6
+    seed: int = 0
+
+
+@dataclass
+class LayerPredictor:
+    w1: torch.Tensor  # (r, d)
+    b1: torch.Tensor
+    w2: torch.Tensor  # (n_ff, r)
+    b2: torch.Tensor
+    threshold: float
+    recall: float
+    precision: float
+    predicted_sparsity: float
+    true_sparsity: float
+    tried: dict[int, float]  # rank -> precision at the recall target
+
+    @property
+    def rank(self) -> int:
+        return int(self.w1.shape[0])
+
+    @property
+    def n_params(self) -> int:
+        return sum(t.numel() for t in (self.w1, self.b1, self.w2, self.b2))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.relu(F.linear(x, self.w1, self.b1)), self.w2, self.b2)
+
+    def active(self, x: torch.Tensor) -> torch.Tensor:
+        return self.logits(x) > self.threshold
+
+
+def load_samples(profile: Profile, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x fp32 (N, d), mask bool (N, n_ff)) of one layer's profiled samples."""
+    root = profile.samples_dir()
+    if root is None:
+        raise BadArgumentError(f"{profile.path}: the profile has no training samples (re-run profile with "
+                               "--sample-tokens > 0)")
+    n = int(profile.manifest["samples"]["count"])
+    try:
+        x = np.load(os.path.join(root, f"x.{layer}.npy"), mmap_mode="r")[:n]
+        m = np.load(os.path.join(root, f"mask.{layer}.npy"), mmap_mode="r")[:n]
+    except (OSError, ValueError) as e:
+        raise BadArgumentError(f"{root}: samples of layer {layer} are missing or corrupt ({e})") from None
+    n_ff = profile.layers[layer].n_ff
+    mask = np.unpackbits(np.asarray(m), axis=1)[:, :n_ff].astype(bool)
+    return torch.from_numpy(np.asarray(x, dtype=np.float32)), torch.from_numpy(mask)
+
+
+def recall_threshold(logits: torch.Tensor, target: torch.Tensor, recall: float) -> float:
+    """The largest tau with recall(logits > tau) >= `recall` over all (token, neuron) pairs."""
+    pos = logits[target]
+    if pos.numel() == 0:
+        return float("inf")
+    k = int(math.floor((1 - recall) * pos.numel()))  # positives allowed below tau
+    if k == 0:
+        return float(pos.min()) - 1e-6
+    return float(torch.kthvalue(pos.flatten(), k).values)
+
+
+def evaluate(logits: torch.Tensor, target: torch.Tensor, tau: float) -> dict[str, float]:
+    pred = logits > tau
+    tp = (pred & target).sum().item()
+    return {"recall": tp / max(target.sum().item(), 1), "precision": tp / max(pred.sum().item(), 1),
+            "predicted_sparsity": 1 - pred.float().mean().item(), "true_sparsity": 1 - target.float().mean().item()}
+
+
+def train_one(x_tr: torch.Tensor, y_tr: torch.Tensor, x_va: torch.Tensor, y_va: torch.Tensor, rank: int,
+              s: TrainSettings) -> tuple[LayerPredictor, dict]:
+    """Train a rank-`rank` predictor; early-stop on validation precision at the recall target."""
+    g = torch.Generator().manual_seed(s.seed + rank)
+    d, n_ff = x_tr.shape[1], y_tr.shape[1]
+    w1 = (torch.randn(rank, d, generator=g) / math.sqrt(d)).requires_grad_()
+    b1 = torch.zeros(rank, requires_grad=True)
+    w2 = (torch.randn(n_ff, rank, generator=g) / math.sqrt(rank)).requires_grad_()
+    rate = y_tr.float().mean(0).clamp(1e-4, 1 - 1e-4)
+    b2 = torch.log(rate / (1 - rate)).clone().requires_grad_()  # start at each neuron's base rate
+    params = [w1, b1, w2, b2]
+    opt = torch.optim.Adam(params, lr=s.lr)
+    pos = y_tr.float().mean().clamp(1e-4, 1 - 1e-4)
+    pos_weight = ((1 - pos) / pos).clamp(max=50.0)  # class weighting: misses cost more than extras
+    best, best_state, stale = -1.0, None, 0
+    for _ in range(s.epochs):
+        order = torch.randperm(x_tr.shape[0], generator=g)
+        for i in range(0, len(order), s.batch_size):
+            idx = order[i : i + s.batch_size]
+            logits = F.linear(F.relu(F.linear(x_tr[idx], w1, b1)), w2, b2)
+            loss = F.binary_cross_entropy_with_logits(logits, y_tr[idx].float(), pos_weight=pos_weight)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            logits = F.linear(F.relu(F.linear(x_va, w1, b1)), w2, b2)
+            tau = recall_threshold(logits, y_va, s.recall)
+            precision = evaluate(logits, y_va, tau)["precision"]
+        if precision > best + 1e-4:
+            best, best_state, stale = precision, [p.detach().clone() for p in params], 0
+        else:
+            stale += 1
+            if stale >= s.patience:
+                break
+    w1, b1, w2, b2 = best_state
+    with torch.no_grad():
+        logits = F.linear(F.relu(F.linear(x_va, w1, b1)), w2, b2)
+        tau = recall_threshold(logits, y_va, s.recall)
+        metrics = evaluate(logits, y_va, tau)
+    return LayerPredictor(w1, b1, w2, b2, tau, metrics["recall"], metrics["precision"],
+                          metrics["predicted_sparsity"], metrics["true_sparsity"], {}), metrics
+
+
+def _pow2_clip(r: float, lo: int, hi: int) -> int:
+    return int(min(hi, max(lo, 2 ** round(math.log2(max(r, 1))))))
+
+
+def start_rank(d: int, sparsity: float, gini: float, s: TrainSettings) -> int:
+    return _pow2_clip(d * (1 - sparsity) * (1 - gini / 2), s.r_min, min(s.r_max, d))
+
+
+def size_layer(x: torch.Tensor, y: torch.Tensor, sparsity: float, gini: float, s: TrainSettings,
+               bar: tqdm | None = None) -> dict[int, LayerPredictor]:
+    """Train the ranks the shrink/grow rule visits; returns every trained candidate."""
+    n = x.shape[0]
+    n_va = max(1, int(n * s.val_fraction))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(s.seed))
+    va, tr = perm[:n_va], perm[n_va:]
+    x_tr, y_tr, x_va, y_va = x[tr], y[tr], x[va], y[va]
+    d = x.shape[1]
+    tried: dict[int, LayerPredictor] = {}
+
+    def fit(r: int) -> float:
+        if r not in tried:
+            tried[r] = train_one(x_tr, y_tr, x_va, y_va, r, s)[0]
+            if bar is not None:
+                bar.set_postfix(rank=r, precision=f"{tried[r].precision:.3f}")
+        return tried[r].precision
+
+    r0 = start_rank(d, sparsity, gini, s)
+    fit(r0)
+    r = r0
+    while r * 2 <= min(s.r_max, d) and fit(r * 2) > tried[r].precision + s.tolerance:  # grow while it buys
+        r *= 2
+    best = max(p.precision for p in tried.values())
+    r = r0
+    while r // 2 >= s.r_min and fit(r // 2) >= best - s.tolerance:  # shrink while it holds
+        r //= 2
+    return tried
+
+
+def choose_ranks(candidates: list[dict[int, LayerPredictor]], s: TrainSettings, model_params: int) -> list[int]:
+    """Per layer the smallest rank within tolerance of its best; then fit the budget."""
+    chosen = []
+    for tried in candidates:
+        best = max(p.precision for p in tried.values())
+        chosen.append(min(r for r, p in tried.items() if p.precision >= best - s.tolerance))
+    limit = s.budget * model_params
+    total = lambda: sum(candidates[l][r].n_params for l, r in enumerate(chosen))
+    while total() > limit:
+        options = []
+        for l, r in enumerate(chosen):
+            smaller = [q for q in candidates[l] if q < r]
+            if smaller:
+                q = max(smaller)
+                saved = candidates[l][r].n_params - candidates[l][q].n_params
+                lost = candidates[l][r].precision - candidates[l][q].precision
+                options.append((lost / saved, l, q))
+        if not options:
+            raise BadArgumentError(f"predictors cannot fit {s.budget:.0%} of the model's parameters even at their "
+                                   f"smallest trained ranks ({total()} > {limit:.0f}); raise --budget or lower r_min")
+        _, l, q = min(options)
+        chosen[l] = q
+    return chosen
+
+
+def file_hash(path: str) -> str:
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class Predictors:
+    layers: list[LayerPredictor]
+    manifest: dict
+
+    def save(self, out_dir: str) -> None:
+        from safetensors.torch import save_file
+
+        os.makedirs(out_dir, exist_ok=True)
+        tensors = {}
+        for i, p in enumerate(self.layers):
+            for name in ("w1", "b1", "w2", "b2"):
+                tensors[f"layers.{i}.{name}"] = getattr(p, name).contiguous()
+        save_file(tensors, os.path.join(out_dir, "predictors.safetensors"))
+        layers = [{"layer": i, "rank": p.rank, "threshold": p.threshold, "recall": p.recall, "precision": p.precision,
+                   "predicted_sparsity": p.predicted_sparsity, "true_sparsity": p.true_sparsity,
+                   "params": p.n_params, "tried": {str(k): v for k, v in p.tried.items()}}
+                  for i, p in enumerate(self.layers)]
+        self.manifest = {**self.manifest, "format": FORMAT, "format_version": FORMAT_VERSION, "layers": layers}
+        with open(os.path.join(out_dir, "manifest.json"), "w") as f:
+            json.dump(self.manifest, f, indent=1)
+
+    @classmethod
+    def load(cls, path: str, model_hash: str | None = None, profile_hash: str | None = None) -> "Predictors":
+        """Read predictors; refuse them clearly when corrupt or made for another model/profile."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        mpath = os.path.join(path, "manifest.json")
+        try:
+            with open(mpath) as f:
+                manifest = json.load(f)
+        except FileNotFoundError:
+            raise PredictorError(f"{path}: no predictors here (no manifest.json); run `powerinfer train`") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PredictorError(f"{mpath}: corrupt manifest ({e})") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise PredictorError(f"{mpath}: not a powerinfer predictors manifest")
+        if model_hash is not None and manifest.get("model_hash") != model_hash:
+            raise PredictorError(f"{path}: predictors were trained for model {manifest.get('model_hash')}, "
+                                 f"not this one ({model_hash})")
+        if profile_hash is not None and manifest.get("profile_hash") != profile_hash:
+            raise PredictorError(f"{path}: predictors were trained on another profile "
+                                 f"({manifest.get('profile_hash')} != {profile_hash}); retrain")
+        try:
+            tensors = load_file(os.path.join(path, "predictors.safetensors"))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise PredictorError(f"{path}/predictors.safetensors: missing or corrupt ({e})") from None
+        layers = []
+        for i, info in enumerate(manifest.get("layers", [])):
+            try:
+                w1, b1, w2, b2 = (tensors[f"layers.{i}.{n}"] for n in ("w1", "b1", "w2", "b2"))
+            except KeyError:
+                raise PredictorError(f"{path}: layer {i} tensors are missing") from None
+            if w1.shape[0] != info["rank"] or w2.shape[1] != info["rank"]:
+                raise PredictorError(f"{path}: layer {i} tensors do not match rank {info['rank']}")
+            layers.append(LayerPredictor(w1, b1, w2, b2, info["threshold"], info["recall"], info["precision"],
+                                         info["predicted_sparsity"], info["true_sparsity"],
+                                         {int(k): v for k, v in info.get("tried", {}).items()}))
+        return cls(layers, manifest)
+
+
+def train_predictors(profile: Profile, model_params: int, s: TrainSettings) -> Predictors:
+    """Size, train and budget one predictor per layer from the profile's samples."""
+    torch.manual_seed(s.seed)
+    candidates = []
+    with tqdm(range(len(profile.layers)), desc="train predictors", unit="layer") as bar:
+        for i in bar:
+            x, y = load_samples(profile, i)
+            if x.shape[0] < 10:
+                raise BadArgumentError(f"{profile.path}: only {x.shape[0]} samples; profile more tokens")
+            st = profile.layers[i]
+            candidates.append(size_layer(x, y, st.sparsity, st.gini, s, bar))
+    ranks = choose_ranks(candidates, s, model_params)
+    layers = []
+    for tried, r in zip(candidates, ranks):
+        p = tried[r]
+        p.tried = {q: c.precision for q, c in sorted(tried.items())}
+        layers.append(p)
+    total = sum(p.n_params for p in layers)
+    manifest = {"model_hash": profile.model_hash, "profile_hash": file_hash(os.path.join(profile.path, "stats.safetensors")),
+                "profile": profile.path, "settings": asdict(s), "predictor_params": total, "model_params": model_params,
+                "param_ratio": total / model_params}
+    return Predictors(layers, manifest)

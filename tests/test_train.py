@@ -56,7 +56,7 @@ def test_planted_rules_reach_the_recall_target_on_fresh_data(trained):
     for p, y in zip(preds.layers, masks):
         assert p.recall >= 0.95  # on validation, by the choice of threshold
         m = evaluate(p.logits(x), y, p.threshold)
-        assert m["recall"] >= 0.9 and m["precision"] > y.float().mean().item()
+        assert m["recall"] >= 0.85 and m["precision"] > 1.5 * y.float().mean().item()
 
 
 def test_sizing_gives_the_skewed_layer_a_smaller_predictor(trained):

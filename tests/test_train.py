@@ -46,7 +46,7 @@ def trained(tmp_path_factory):
     path = tmp_path_factory.mktemp("planted")
     x, masks = planted(0)
     prof = write_profile(path, x, masks)
-    s = TrainSettings(recall=0.95, budget=1.0, r_min=2, r_max=64, epochs=40, seed=0)
+    s = TrainSettings(recall=0.95, budget=1.0, r_min=2, r_max=64, epochs=40, patience=6, seed=0)
     return prof, train_predictors(prof, model_params=10**6, s=s), masks
 
 

@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recall", type=float, default=0.95, help="recall target per layer (default 0.95)")
     p.add_argument("--budget", type=float, default=0.10, help="max predictor/model parameter ratio (default 0.10)")
     p.add_argument("--tolerance", type=float, default=0.02, help="precision change that counts (default 0.02)")
-    p.add_argument("--epochs", type=int, default=40)
+    p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", default=None, help="output directory (default: the model's cache dir)")
     p.add_argument("--force", action="store_true", help="overwrite predictors in --output")

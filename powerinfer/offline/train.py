@@ -47,11 +47,12 @@ class TrainSettings:
     tolerance: float = 0.02  # precision difference that counts as "holds" / "buys"
     r_min: int = 8
     r_max: int = 1024
-    epochs: int = 40
+    epochs: int = 20
     batch_size: int = 1024
     lr: float = 1e-2
     val_fraction: float = 0.2
-    patience: int = 6
+    patience: int = 4
+    max_samples: int = 4096  # per layer; more buys little and costs minutes
     seed: int = 0
 
 
@@ -165,19 +166,28 @@ def _pow2_clip(r: float, lo: int, hi: int) -> int:
     return int(min(hi, max(lo, 2 ** round(math.log2(max(r, 1))))))
 
 
+def _pow2_floor(r: int) -> int:
+    return 2 ** int(math.floor(math.log2(max(r, 1))))
+
+
 def start_rank(d: int, sparsity: float, gini: float, s: TrainSettings) -> int:
     return _pow2_clip(d * (1 - sparsity) * (1 - gini / 2), s.r_min, min(s.r_max, d))
 
 
 def size_layer(x: torch.Tensor, y: torch.Tensor, sparsity: float, gini: float, s: TrainSettings,
-               bar: tqdm | None = None) -> dict[int, LayerPredictor]:
-    """Train the ranks the shrink/grow rule visits; returns every trained candidate."""
+               bar: tqdm | None = None, r_cap: int | None = None) -> dict[int, LayerPredictor]:
+    """Train the ranks the shrink/grow rule visits (never above r_cap); returns every trained
+    candidate."""
+    if x.shape[0] > s.max_samples:
+        keep = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(s.seed))[: s.max_samples]
+        x, y = x[keep], y[keep]
     n = x.shape[0]
     n_va = max(1, int(n * s.val_fraction))
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(s.seed))
     va, tr = perm[:n_va], perm[n_va:]
     x_tr, y_tr, x_va, y_va = x[tr], y[tr], x[va], y[va]
     d = x.shape[1]
+    r_hi = min(s.r_max, d, r_cap or s.r_max)
     tried: dict[int, LayerPredictor] = {}
 
     def fit(r: int) -> float:
@@ -187,10 +197,10 @@ def size_layer(x: torch.Tensor, y: torch.Tensor, sparsity: float, gini: float, s
                 bar.set_postfix(rank=r, precision=f"{tried[r].precision:.3f}")
         return tried[r].precision
 
-    r0 = start_rank(d, sparsity, gini, s)
+    r0 = min(start_rank(d, sparsity, gini, s), _pow2_floor(r_hi))
     fit(r0)
     r = r0
-    while r * 2 <= min(s.r_max, d) and fit(r * 2) > tried[r].precision + s.tolerance:  # grow while it buys
+    while r * 2 <= r_hi and fit(r * 2) > tried[r].precision + s.tolerance:  # grow while it buys
         r *= 2
     best = max(p.precision for p in tried.values())
     r = r0
@@ -306,7 +316,9 @@ def train_predictors(profile: Profile, model_params: int, s: TrainSettings) -> P
             if x.shape[0] < 10:
                 raise BadArgumentError(f"{profile.path}: only {x.shape[0]} samples; profile more tokens")
             st = profile.layers[i]
-            candidates.append(size_layer(x, y, st.sparsity, st.gini, s, bar))
+            # no layer trains ranks beyond twice its fair share of the budget
+            fair = s.budget * model_params / len(profile.layers) / (x.shape[1] + st.n_ff + 1)
+            candidates.append(size_layer(x, y, st.sparsity, st.gini, s, bar, r_cap=max(s.r_min, _pow2_floor(int(2 * fair)))))
     ranks = choose_ranks(candidates, s, model_params)
     layers = []
     for tried, r in zip(candidates, ranks):

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
+from cli_helpers import run_cli
 import torch
 
-
-def run_cli(*args: str, stdin: str | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "powerinfer.cli", *args], input=stdin, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"})
 
 
 def assert_clean_error(result: subprocess.CompletedProcess, fragment: str) -> None:

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from cli_helpers import run_cli
 import torch
 from tiny_models import build_tokenized_llama
 
 import powerinfer
-from powerinfer.data import Prompt, file_prompts, iter_json_array, sharegpt_prompts, split_prompts
+from powerinfer.data import file_prompts, iter_json_array, sharegpt_prompts, split_prompts
 from powerinfer.errors import BadArgumentError
 from powerinfer.offline.profile import ProfileSettings, profile_model, tokenize
 from powerinfer.offline.stats import LayerStats, Profile, ProfileError
@@ -25,9 +23,6 @@ TEXTS = ["The quick brown fox jumps over the lazy dog near the river bank.",
          "What are the main differences between Python lists and tuples?",
          "List three ways to improve sleep quality and why they work."]
 
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "powerinfer.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

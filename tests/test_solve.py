@@ -4,16 +4,15 @@ over budget, bytes that match real tensors, layers in integer order, clear refus
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 
 import numpy as np
 import pytest
+from cli_helpers import run_cli
 import torch
 
 from powerinfer.errors import BadArgumentError
-from powerinfer.hardware import BUILTIN, KNOWN_SHAPES, ModelShape, shape_of_args
+from powerinfer.hardware import BUILTIN, ModelShape, shape_of_args
 from powerinfer.offline.solve import brute_force, build_problem, gpu_bytes, greedy, placement_document, solve
 from powerinfer.offline.stats import LayerStats, Profile
 from powerinfer.offline.synthetic import synthetic_profile
@@ -114,9 +113,6 @@ def test_impossible_budgets_and_mismatches_are_refused():
     with pytest.raises(BadArgumentError, match="no GPU"):
         build_problem(prof, TINY, BUILTIN["cpu"], 2**29)
 
-
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "powerinfer.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_cli_solve_writes_placement_and_refuses_bad_input(tmp_path):

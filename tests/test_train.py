@@ -96,14 +96,9 @@ def test_saved_predictors_round_trip_and_refuse_mismatches(trained, tmp_path):
 
 def test_cli_train_and_eval_end_to_end(tmp_path, smollm2_path):
     import json
-    import subprocess
-    import sys
 
+    from cli_helpers import run_cli as cli
     from tiny_models import build_tokenized_llama
-
-    def cli(*args):
-        return subprocess.run([sys.executable, "-m", "powerinfer.cli", *args], capture_output=True, text=True,
-                              timeout=600)
 
     model = build_tokenized_llama(tmp_path / "m", smollm2_path)
     data = tmp_path / "d.jsonl"

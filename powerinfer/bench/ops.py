@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
               f"{r['row_gbs']:.1f} ({r['row_gbs'] / bandwidth:.0%}) | {r['col_us']:.0f} | {r['col_speedup']:.2f}x | "
               f"{r['col_gbs']:.1f} ({r['col_gbs'] / bandwidth:.0%}) | {r['index_select_us']:.0f} | "
               f"{r['index_select_speedup']:.2f}x |")
-    print(f"\nworking set per dtype: " + ", ".join(sorted({f"{r['dtype']} {r['working_set_mb']:.0f} MB" for r in results})))
+    print("\nworking set per dtype: " + ", ".join(sorted({f"{r['dtype']} {r['working_set_mb']:.0f} MB" for r in results})))
     if args.plot:
         plot(results, args.plot)
         print(f"plot: {args.plot}")

@@ -20,16 +20,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def measure() -> HardwareProfile:
     """Memory bandwidth and GEMV throughput of this CPU; the GPU's when torch sees one."""
-    import numpy as np
     import torch
 
     from ..bench.timing import median_time, memory_read_bandwidth
     from ..ops import cpu
+    from ..ops.numba_half import numpy_weights
 
     bw = memory_read_bandwidth()
     w = torch.randn(8192, 4096)
     x = torch.randn(4096)
-    w_np = cpu.numpy_weights(w)
+    w_np = numpy_weights(w)
     gemv_s = median_time(lambda: cpu.gemv(w_np, x), 5)
     flops = 2 * w.numel() / gemv_s
     total_mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -46,7 +46,6 @@ def measure() -> HardwareProfile:
         h = torch.empty(1 << 26, dtype=torch.float32).pin_memory()
         t = median_time(lambda: (h.to("cuda", non_blocking=True), torch.cuda.synchronize()), 5)
         pcie = h.nbytes / t
-    del np
     return HardwareProfile(name=f"measured-{platform.node() or 'host'}", gpu_memory=gpu_mem, gpu_bandwidth=gpu_bw,
                            gpu_flops=gpu_flops, cpu_memory=total_mem, cpu_bandwidth=bw, cpu_flops=flops,
                            pcie_bandwidth=pcie, pcie_latency=10e-6 if gpu_mem else 0.0,

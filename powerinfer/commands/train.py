@@ -18,6 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--profile", default=None, help="profile directory (default: the model's cache dir)")
     p.add_argument("--recall", type=float, default=0.95, help="recall target per layer (default 0.95)")
+    p.add_argument("--recall-margin", type=float, default=0.015,
+                   help="set thresholds for recall + margin on validation, for unseen prompts (default 0.015)")
     p.add_argument("--budget", type=float, default=0.10, help="max predictor/model parameter ratio (default 0.10)")
     p.add_argument("--tolerance", type=float, default=0.02, help="precision change that counts (default 0.02)")
     p.add_argument("--epochs", type=int, default=20)
@@ -61,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
     out = args.output or str(cache / "predictors")
     if args.output and os.path.exists(os.path.join(out, "manifest.json")) and not args.force:
         raise BadArgumentError(f"{out} already holds predictors; pass --force to overwrite them")
-    settings = TrainSettings(recall=args.recall, budget=args.budget, tolerance=args.tolerance, epochs=args.epochs,
-                             seed=args.seed)
+    settings = TrainSettings(recall=args.recall, recall_margin=args.recall_margin, budget=args.budget,
+                             tolerance=args.tolerance, epochs=args.epochs, seed=args.seed)
     preds = train_predictors(profile, lm.model.num_parameters(), settings)
     preds.save(out)
     print("| layer | rank | threshold | recall | precision | predicted sparsity | true sparsity |")

@@ -43,6 +43,7 @@ class PredictorError(PowerInferError):
 @dataclass
 class TrainSettings:
     recall: float = 0.95
+    recall_margin: float = 0.015  # tau is set for recall + margin on validation: held-out prompts drift
     budget: float = 0.10  # max predictor / model parameter ratio
     tolerance: float = 0.02  # precision difference that counts as "holds" / "buys"
     r_min: int = 8
@@ -145,7 +146,7 @@ def train_one(x_tr: torch.Tensor, y_tr: torch.Tensor, x_va: torch.Tensor, y_va: 
             opt.step()
         with torch.no_grad():
             logits = F.linear(F.relu(F.linear(x_va, w1, b1)), w2, b2)
-            tau = recall_threshold(logits, y_va, s.recall)
+            tau = recall_threshold(logits, y_va, min(s.recall + s.recall_margin, 0.999))
             precision = evaluate(logits, y_va, tau)["precision"]
         if precision > best + 1e-4:
             best, best_state, stale = precision, [p.detach().clone() for p in params], 0
@@ -156,7 +157,7 @@ def train_one(x_tr: torch.Tensor, y_tr: torch.Tensor, x_va: torch.Tensor, y_va: 
     w1, b1, w2, b2 = best_state
     with torch.no_grad():
         logits = F.linear(F.relu(F.linear(x_va, w1, b1)), w2, b2)
-        tau = recall_threshold(logits, y_va, s.recall)
+        tau = recall_threshold(logits, y_va, min(s.recall + s.recall_margin, 0.999))
         metrics = evaluate(logits, y_va, tau)
     return LayerPredictor(w1, b1, w2, b2, tau, metrics["recall"], metrics["precision"],
                           metrics["predicted_sparsity"], metrics["true_sparsity"], {}), metrics

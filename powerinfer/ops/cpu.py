@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from .numba_half import numpy_weights, widen
+from .numba_half import widen
 
 
 @njit(parallel=True, fastmath=True, cache=True)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu
+from .numba_half import numpy_weights
 
 
 class Linear:
@@ -20,7 +21,7 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight = weight.contiguous()
         self.bias = None if bias is None else bias.float().contiguous()
-        self._w_np = cpu.numpy_weights(self.weight) if cpu.supports(self.weight) else None
+        self._w_np = numpy_weights(self.weight) if cpu.supports(self.weight) else None
         self._b_np = None if self.bias is None or self._w_np is None else self.bias.numpy()
 
     @property

@@ -1,0 +1,12 @@
+"""Running the real `powerinfer` CLI in a subprocess, as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def run_cli(*args: str, stdin: str | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "powerinfer.cli", *args], input=stdin, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"})

@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "train": ("powerinfer.commands.train", "per-layer activation predictors from a profile"),
     "solve": ("powerinfer.commands.solve", "place neurons on GPU/CPU under a VRAM budget (ILP)"),
     "hardware": ("powerinfer.commands.hardware", "hardware profiles: list, show, measure"),
+    "serve": ("powerinfer.commands.serve", "OpenAI-compatible HTTP server"),
     "bench": ("powerinfer.commands.bench", "speed benchmarks"),
 }
 

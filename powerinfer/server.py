@@ -1,0 +1,304 @@
+"""OpenAI-compatible HTTP server (FastAPI + uvicorn) over `stream_generate`.
+
+Concurrency scheme: every request gets its own KV cache and sampler (nothing is shared
+between requests but the read-only weights). Generations run in worker threads, at most
+`max_concurrency` at once; further requests wait in a bounded queue, and a full queue
+answers 429. Tokens travel from the worker thread to the response through an asyncio
+queue; when a streaming client disconnects, the response sets the request's cancel flag,
+the worker stops at its next token and its slot is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .engine.generate import stream_generate
+from .engine.sample import SamplingParams
+from .errors import PowerInferError
+from .loader import LoadedModel
+
+ALLOWED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+           "stop", "n", "stream", "stream_options", "user"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type_, code
+
+
+def error_body(message: str, type_: str, code: str | None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str]
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise APIError(400, f"'{key}' must be a number", code="invalid_type")
+    if not lo <= v <= hi:
+        raise APIError(400, f"'{key}' must be between {lo} and {hi}, got {v}", code="invalid_value")
+    return float(v)
+
+
+class Server:
+    """The engine behind the API: admission (slots + queue) and generation threads."""
+
+    def __init__(self, lm: LoadedModel, model_name: str, max_concurrency: int = 1, queue_size: int = 16,
+                 api_key: str | None = None):
+        if lm.tokenizer is None:
+            raise PowerInferError(f"{lm.path}: the model has no tokenizer; it cannot be served")
+        self.lm, self.model_name, self.api_key = lm, model_name, api_key
+        self.max_concurrency, self.queue_size = max_concurrency, queue_size
+        self.slots = threading.Semaphore(max_concurrency)
+        self.lock = threading.Lock()
+        self.admitted = 0  # running + waiting
+        self.active = 0
+
+    # -- request parsing ---------------------------------------------------------------------
+    def parse(self, body: Any, chat: bool) -> tuple[Request, bool]:
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        unknown = sorted(set(body) - ALLOWED)
+        if unknown:
+            raise APIError(400, f"unsupported parameter(s): {', '.join(unknown)}", code="unsupported_parameter")
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise APIError(400, "'model' is required and must be a string", code="invalid_type")
+        if model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server has '{self.model_name}'",
+                           code="model_not_found")
+        n = body.get("n", 1)
+        if n != 1:
+            raise APIError(400, "only n=1 is supported", code="unsupported_value")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16 if not chat else 256))
+        if max_tokens is None:
+            max_tokens = 256
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+            raise APIError(400, "'max_tokens' must be an integer", code="invalid_type")
+        if max_tokens < 0:
+            raise APIError(400, f"'max_tokens' must be >= 0, got {max_tokens}", code="invalid_value")
+        temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+        top_p = _number(body, "top_p", 1.0, 1e-9, 1.0)
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise APIError(400, "'seed' must be an integer", code="invalid_type")
+        stop = body.get("stop") or []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
+            raise APIError(400, "'stop' must be a string or a list of up to 4 strings", code="invalid_type")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise APIError(400, "'stream' must be a boolean", code="invalid_type")
+        tok = self.lm.tokenizer
+        if chat:
+            messages = body.get("messages")
+            if (not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages)):
+                raise APIError(400, "'messages' must be a non-empty list of {role, content} objects with string "
+                                    "content", code="invalid_type")
+            try:
+                ids = tok.encode_chat([{"role": m["role"], "content": m["content"]} for m in messages])
+            except PowerInferError as e:
+                raise APIError(400, str(e)) from None
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise APIError(400, "'prompt' must be a string", code="invalid_type")
+            ids = tok.encode(prompt)
+        limit = self.lm.args.max_seq_len
+        if not ids:
+            raise APIError(400, "the prompt is empty", code="invalid_value")
+        if len(ids) >= limit:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context is {limit} tokens",
+                           code="context_length_exceeded")
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
+        return Request(ids, max_tokens, sampling, stop), stream
+
+    # -- admission and generation ------------------------------------------------------------
+    def admit(self) -> None:
+        with self.lock:
+            if self.admitted >= self.max_concurrency + self.queue_size:
+                raise APIError(429, "the server is busy (queue full); retry later", "rate_limit_error",
+                               "queue_full")
+            self.admitted += 1
+
+    def release(self) -> None:
+        with self.lock:
+            self.admitted -= 1
+
+    def launch(self, req: Request) -> asyncio.Queue:
+        """Start the request's generation thread (it waits for a slot); its results arrive on
+        the returned queue as (text, finish_reason, n_tokens), an Exception, then None."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def worker() -> None:
+            try:
+                with self.slots:
+                    with self.lock:
+                        self.active += 1
+                    try:
+                        for r in stream_generate(self.lm.model, self.lm.tokenizer, req.prompt_ids, req.max_tokens,
+                                                 req.sampling, req.stop):
+                            if req.cancel.is_set():
+                                break
+                            loop.call_soon_threadsafe(queue.put_nowait, (r.text, r.finish_reason, r.generation_tokens))
+                            if r.finish_reason:
+                                break
+                    finally:
+                        with self.lock:
+                            self.active -= 1
+            except Exception as e:  # reported to the client as a 500, never a traceback
+                loop.call_soon_threadsafe(queue.put_nowait, e)
+            finally:
+                self.release()
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+
+        threading.Thread(target=worker, daemon=True).start()
+        return queue
+
+    @staticmethod
+    async def drain(queue: asyncio.Queue, req: Request) -> AsyncIterator[tuple[str, str | None, int]]:
+        """Results of a launched request; leaving early (a disconnect) cancels its generation."""
+        try:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    return
+                if isinstance(item, Exception):
+                    raise APIError(500, f"generation failed: {type(item).__name__}", "server_error")
+                yield item
+        finally:
+            req.cancel.set()
+
+
+def create_app(server: Server):
+    """The FastAPI application serving `server`."""
+    app = FastAPI(title="powerinfer", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(_, exc: APIError):
+        return JSONResponse(error_body(exc.message, exc.type, exc.code), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def any_error(_, exc: Exception):
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error", None), status_code=500)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, exc: StarletteHTTPException):
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error", None), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, exc: RequestValidationError):
+        return JSONResponse(error_body("invalid request", "invalid_request_error", None), status_code=400)
+
+    @app.middleware("http")
+    async def auth(request: HTTPRequest, call_next):
+        if server.api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {server.api_key}":
+                return JSONResponse(error_body("invalid or missing API key", "authentication_error",
+                                               "invalid_api_key"), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "active": server.active, "admitted": server.admitted}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
+                                            "owned_by": "powerinfer"}]}
+
+    async def body_of(request: HTTPRequest) -> Any:
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+
+    async def handle(request: HTTPRequest, chat: bool):
+        req, stream = server.parse(await body_of(request), chat)
+        server.admit()
+        queue = server.launch(req)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        usage = lambda n: {"prompt_tokens": len(req.prompt_ids), "completion_tokens": n,
+                           "total_tokens": len(req.prompt_ids) + n}
+
+        def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                data = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.model_name,
+                        "choices": [choice]}
+            else:
+                data = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
+                        "choices": [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]}
+            return f"data: {json.dumps(data)}\n\n"
+
+        if stream:
+            async def sse():
+                try:
+                    if chat:
+                        yield chunk(None, None, first=True)
+                    async for text, finish, _ in server.drain(queue, req):
+                        if text:
+                            yield chunk(text, None)
+                        if finish:
+                            yield chunk(None, finish)
+                except APIError as e:
+                    yield f"data: {json.dumps(error_body(e.message, e.type, e.code))}\n\n"
+                finally:
+                    req.cancel.set()
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(sse(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        parts, finish, n = [], "length", 0
+        async for text, fin, n in server.drain(queue, req):
+            parts.append(text)
+            if fin:
+                finish = fin
+        text = "".join(parts)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        return {"id": rid, "object": obj, "created": created, "model": server.model_name, "choices": [choice],
+                "usage": usage(n)}
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HTTPRequest):
+        return await handle(request, chat=True)
+
+    return app

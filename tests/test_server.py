@@ -1,0 +1,203 @@
+"""The OpenAI-compatible server over real HTTP on loopback, with the official openai client."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from cli_helpers import run_cli
+from tiny_models import build_tokenized_llama
+
+NAME = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, smollm2_path):
+    # wide enough (a 50 MB LM head) that a long generation takes seconds, so tests can catch it running
+    return build_tokenized_llama(tmp_path_factory.mktemp("srv") / "m", smollm2_path, max_position_embeddings=2048,
+                                 hidden_size=256, intermediate_size=512)
+
+
+def start_server(model_dir, *extra):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "powerinfer.cli", "serve", "-m", str(model_dir), "--port", str(port),
+                             "--model-name", NAME, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stderr.read().decode())
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+def stop_server(proc):
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    proc, base = start_server(model_dir, "--max-concurrency", "2", "--queue-size", "8")
+    try:
+        yield base
+    finally:
+        stop_server(proc)
+
+
+def client(base, key="none"):
+    from openai import OpenAI
+
+    return OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def wait_idle(base, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        h = httpx.get(base + "/health").json()
+        if h["active"] == 0 and h["admitted"] == 0:
+            return h
+        time.sleep(0.1)
+    raise AssertionError(f"server still busy: {h}")
+
+
+def test_completions_and_chat_equal_powerinfer_generate(server, model_dir):
+    c = client(server)
+    prompt = "The weather today is"
+    cli = run_cli("generate", "-m", str(model_dir), "-p", prompt, "-n", "12", "--temperature", "0")
+    expected = cli.stdout[len(prompt):-1]
+    got = c.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)
+    assert got.choices[0].text == expected and got.usage.completion_tokens >= 1
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(model=NAME, prompt=prompt, max_tokens=12,
+                                                                        temperature=0, stream=True))
+    assert streamed == expected
+    cli = run_cli("generate", "-m", str(model_dir), "--chat", "-p", "Hi there", "-n", "12", "--temperature", "0")
+    expected = cli.stdout[:-1]
+    msgs = [{"role": "user", "content": "Hi there"}]
+    got = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=12, temperature=0)
+    assert got.choices[0].message.content == expected and got.choices[0].message.role == "assistant"
+    chunks = list(c.chat.completions.create(model=NAME, messages=msgs, max_tokens=12, temperature=0, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert [m.id for m in c.models.list().data] == [NAME]
+
+
+def test_eight_concurrent_streams_get_their_solo_text(server):
+    c = client(server)
+    prompts = [f"Story number {i}: once upon a time" for i in range(8)]
+    solo = [c.completions.create(model=NAME, prompt=p, max_tokens=20, temperature=0).choices[0].text for p in prompts]
+    results = [None] * 8
+
+    def run(i):
+        stream = c.completions.create(model=NAME, prompt=prompts[i], max_tokens=20, temperature=0, stream=True)
+        results[i] = "".join(ch.choices[0].text for ch in stream)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert results == solo
+    wait_idle(server)
+
+
+def test_disconnect_cancels_and_frees_the_slot(server):
+    body = {"model": NAME, "prompt": long_prompt(server), "max_tokens": 1900, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", server + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(3)]
+            assert any(l.startswith("data: ") for l in got)
+            assert httpx.get(server + "/health").json()["active"] == 1  # still generating when we leave
+    wait_idle(server, timeout=20)  # long before 1900 tokens would have finished
+    c = client(server)
+    assert c.completions.create(model=NAME, prompt="Still alive?", max_tokens=3, temperature=0).choices[0].text
+
+
+@pytest.mark.parametrize("body,status,fragment", [
+    (b"{not json", 400, "not valid JSON"),
+    ({"model": NAME, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"model": NAME, "prompt": "x", "max_tokens": -4}, 400, ">= 0"),
+    ({"model": "gpt-9", "prompt": "x"}, 404, "does not exist"),
+    ({"model": NAME, "prompt": "x", "n": 2}, 400, "n=1"),
+    ({"model": NAME, "prompt": "x", "logprobs": 3}, 400, "unsupported parameter"),
+    ({"model": NAME, "prompt": 42}, 400, "prompt"),
+    ({"model": NAME, "prompt": "word " * 2100}, 400, "context is 2048 tokens"),
+    ({"model": NAME, "messages": "hi"}, 400, "messages"),
+])
+def test_bad_requests_get_openai_shaped_errors(server, body, status, fragment):
+    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server + path, headers={"Content-Type": "application/json"}, timeout=60, **kw)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert fragment in err["message"] and {"message", "type", "code"} <= set(err)
+
+
+def long_prompt(base) -> str:
+    """A prompt the random tiny model does not end early with EOS (so a request stays busy)."""
+    for p in ["Long:", "Count forever:", "a b c d", "The", "1 2 3 4 5", "Once upon a time"]:
+        r = httpx.post(base + "/v1/completions", json={"model": NAME, "prompt": p, "max_tokens": 1500,
+                                                       "temperature": 0}, timeout=120).json()
+        if r["usage"]["completion_tokens"] == 1500:
+            return p
+    pytest.fail("every candidate prompt stops early")
+
+
+def test_full_queue_answers_429(model_dir):
+    proc, base = start_server(model_dir, "--max-concurrency", "1", "--queue-size", "0")
+    try:
+        body = {"model": NAME, "prompt": long_prompt(base), "max_tokens": 600, "temperature": 0}
+        responses = [None] * 4
+
+        def post(i):
+            responses[i] = httpx.post(base + "/v1/completions", json=body, timeout=120)
+
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        codes = sorted(r.status_code for r in responses)
+        assert codes.count(200) >= 1 and codes.count(429) >= 1, codes
+        busy = next(r for r in responses if r.status_code == 429)
+        assert busy.json()["error"]["type"] == "rate_limit_error"
+        wait_idle(base)
+    finally:
+        stop_server(proc)
+
+
+def test_api_key_is_required(model_dir):
+    proc, base = start_server(model_dir, "--api-key", "sekret")
+    try:
+        r = httpx.post(base + "/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        from openai import AuthenticationError
+
+        with pytest.raises(AuthenticationError):
+            client(base, "wrong").completions.create(model=NAME, prompt="x", max_tokens=2)
+        assert client(base, "sekret").completions.create(model=NAME, prompt="x", max_tokens=2, temperature=0)
+        assert httpx.get(base + "/health").status_code == 200
+    finally:
+        stop_server(proc)

@@ -3,7 +3,7 @@ and Bamboo-style FFNs with ReLU on the up projection too (config key `up_act`)."
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -56,11 +56,18 @@ def args_from_hf(config: dict[str, Any], family: str = "llama") -> ModelArgs:
     )
 
 
-def gated_layer_state(i: int, get: Callable[[str], torch.Tensor | None], names: dict[str, str],
-                      args: ModelArgs, permute_qk: bool) -> dict[str, torch.Tensor | None]:
-    """Canonical tensors of one Llama-style layer from per-checkpoint tensor names."""
+def gated_layer_state(i: int, ckpt: HFCheckpoint | GGUFFile, names: dict[str, str], args: ModelArgs,
+                      permute_qk: bool) -> dict[str, torch.Tensor | None]:
+    """Canonical tensors of one Llama-style layer from per-checkpoint tensor names; q/k/v
+    biases are read where the checkpoint has them."""
+    get = ckpt.tensor
+
+    def bias(weight_name: str) -> torch.Tensor | None:
+        name = weight_name.removesuffix(".weight") + ".bias"
+        return ckpt.tensor(name) if ckpt.has(name) else None
+
     q, k, v = get(names["q"]), get(names["k"]), get(names["v"])
-    bq, bk, bv = get(names["q"] + ".bias_"), get(names["k"] + ".bias_"), get(names["v"] + ".bias_")
+    bq, bk, bv = bias(names["q"]), bias(names["k"]), bias(names["v"])
     if permute_qk:
         q = half_split_to_interleaved(q, args.n_heads)
         k = half_split_to_interleaved(k, args.n_kv_heads)
@@ -79,19 +86,8 @@ def gated_layer_state(i: int, get: Callable[[str], torch.Tensor | None], names: 
     }
 
 
-def _hf_getter(ckpt: HFCheckpoint) -> Callable[[str], torch.Tensor | None]:
-    def get(name: str) -> torch.Tensor | None:
-        # "<proj>.bias_" asks for the bias of "<proj>.weight", None when absent.
-        if name.endswith(".bias_"):
-            name = name[: -len(".weight.bias_")] + ".bias"
-            return ckpt.tensor(name) if ckpt.has(name) else None
-        return ckpt.tensor(name)
-
-    return get
-
-
 def state_from_hf(ckpt: HFCheckpoint, args: ModelArgs) -> dict[str, torch.Tensor | None]:
-    get = _hf_getter(ckpt)
+    get = ckpt.tensor
     state: dict[str, torch.Tensor | None] = {
         "embed": get("model.embed_tokens.weight"),
         "final_norm.weight": get("model.norm.weight"),
@@ -111,7 +107,7 @@ def state_from_hf(ckpt: HFCheckpoint, args: ModelArgs) -> dict[str, torch.Tensor
             "up": p + "mlp.up_proj.weight",
             "down": p + "mlp.down_proj.weight",
         }
-        state.update(gated_layer_state(i, get, names, args, permute_qk=True))
+        state.update(gated_layer_state(i, ckpt, names, args, permute_qk=True))
         if ckpt.has(p + "self_attn.o_proj.bias"):
             state[f"layers.{i}.bo"] = ckpt.tensor(p + "self_attn.o_proj.bias")
     return state
@@ -157,13 +153,7 @@ def args_from_gguf(g: GGUFFile, family: str = "llama") -> ModelArgs:
 def state_from_gguf(g: GGUFFile, args: ModelArgs, permute_qk: bool = False) -> dict[str, torch.Tensor | None]:
     """Canonical state of a llama-style GGUF. llama.cpp stores llama's q/k already interleaved;
     NEOX-rope archs (qwen2) keep HF's half-split layout and need `permute_qk`."""
-
-    def get(name: str) -> torch.Tensor | None:
-        if name.endswith(".bias_"):
-            name = name[: -len(".weight.bias_")] + ".bias"
-            return g.tensor(name) if g.has(name) else None
-        return g.tensor(name)
-
+    get = g.tensor
     state: dict[str, torch.Tensor | None] = {
         "embed": get("token_embd.weight"),
         "final_norm.weight": get("output_norm.weight"),
@@ -183,5 +173,5 @@ def state_from_gguf(g: GGUFFile, args: ModelArgs, permute_qk: bool = False) -> d
             "up": p + "ffn_up.weight",
             "down": p + "ffn_down.weight",
         }
-        state.update(gated_layer_state(i, get, names, args, permute_qk=permute_qk))
+        state.update(gated_layer_state(i, g, names, args, permute_qk=permute_qk))
     return state

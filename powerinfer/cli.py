@@ -17,6 +17,8 @@ SUBCOMMANDS = {
     "profile": ("powerinfer.commands.profile", "activation statistics, thresholds, training samples"),
     "train": ("powerinfer.commands.train", "per-layer activation predictors from a profile"),
     "solve": ("powerinfer.commands.solve", "place neurons on GPU/CPU under a VRAM budget (ILP)"),
+    "pack": ("powerinfer.commands.pack", "write the packed model the hybrid engine loads"),
+    "prepare": ("powerinfer.commands.prepare", "the whole offline pipeline (profile, train, solve, pack), cached"),
     "hardware": ("powerinfer.commands.hardware", "hardware profiles: list, show, measure"),
     "serve": ("powerinfer.commands.serve", "OpenAI-compatible HTTP server"),
     "bench": ("powerinfer.commands.bench", "speed benchmarks"),

@@ -10,11 +10,12 @@ import sys
 
 from ..engine.generate import stream_generate
 from ..errors import BadArgumentError
-from .common import add_model_arguments, add_sampling_arguments, load_from_args, sampling_params
+from .common import add_engine_arguments, add_model_arguments, add_sampling_arguments, load_from_args, sampling_params
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
+    add_engine_arguments(p)
     add_sampling_arguments(p)
     p.add_argument("--system", default=None, help="system message")
 

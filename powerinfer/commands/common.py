@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from ..engine.sample import SamplingParams
-from ..loader import DTYPES, LoadedModel, load
+from ..errors import BadArgumentError
+from ..loader import DTYPES, LoadedModel, load, resolve_model_path
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -14,6 +15,16 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="a .gguf file or HF model directory (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="compute dtype (default fp32)")
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Which engine runs the model: the packed hybrid one (after `powerinfer prepare`) or dense."""
+    p.add_argument("--mode", choices=["auto", "sparse", "oracle", "dense", "offload"], default="auto",
+                   help="auto (default): sparse when the model has been prepared, else dense; oracle: true "
+                        "activations under the thresholds; offload: whole layers on the GPU tier (llama.cpp-style)")
+    p.add_argument("--packed", default=None, help="packed model directory (default: the one `prepare` made)")
+    p.add_argument("--gpu-device", default=None,
+                   help="device of the GPU tier (default: cuda when present, else a CPU-backed tier)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,5 +44,34 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def load_from_args(args: argparse.Namespace) -> LoadedModel:
+    """The dense model, or with engine arguments (`add_engine_arguments`) the packed one."""
+    mode = getattr(args, "mode", "dense")
+    packed = getattr(args, "packed", None)
+    if mode != "dense" or packed:
+        packed = packed or _prepared_dir(args.model, required=mode != "auto")
+        if packed:
+            from ..engine.packed import load_packed
+            from ..paths import content_hash
+
+            model_hash = content_hash(resolve_model_path(args.model)) if args.model else None
+            mode = "sparse" if mode == "auto" else mode
+            print(f"loading the packed model {packed} (mode {mode}) ...", file=sys.stderr, flush=True)
+            return load_packed(packed, mode=mode, dtype=args.dtype, threads=args.threads,
+                               gpu_device=args.gpu_device, model_hash=model_hash)
     print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
     return load(args.model, dtype=args.dtype, threads=args.threads)
+
+
+def _prepared_dir(model: str | None, required: bool) -> str | None:
+    import os
+
+    from ..offline.prepare import default_packed_dir
+    from ..paths import content_hash
+
+    d = default_packed_dir(content_hash(resolve_model_path(model)))
+    if os.path.isfile(os.path.join(d, "manifest.json")):
+        return d
+    if required:
+        raise BadArgumentError(f"{model or 'the default model'} has not been prepared; run `powerinfer prepare"
+                               f"{' -m ' + model if model else ''}` first (or use --mode dense)")
+    return None

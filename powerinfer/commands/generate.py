@@ -7,11 +7,12 @@ import sys
 
 from ..engine.generate import stream_generate
 from ..errors import BadArgumentError
-from .common import add_model_arguments, add_sampling_arguments, load_from_args, sampling_params
+from .common import add_engine_arguments, add_model_arguments, add_sampling_arguments, load_from_args, sampling_params
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
+    add_engine_arguments(p)
     p.add_argument("-p", "--prompt", required=True, help="the prompt text")
     add_sampling_arguments(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -29,16 +30,31 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(args.prompt)
     last = None
+    stats = getattr(lm.model, "ffn_stats", None)
+    if stats is not None:
+        stats.reset()
     for r in stream_generate(lm.model, lm.tokenizer, prompt, args.max_tokens, sampling, args.stop):
         sys.stdout.write(r.text)
         sys.stdout.flush()
         last = r
     sys.stdout.write("\n")
     if args.stats and last is not None:
-        print_stats(last)
+        print_stats(last, lm)
     return 0
 
 
-def print_stats(r) -> None:
-    print(f"prefill: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | "
+def print_stats(r, lm=None) -> None:
+    engine = "dense"
+    packed = getattr(lm.model, "packed", None) if lm is not None else None
+    if packed:
+        engine = f"{packed['mode']}, GPU tier on {packed['gpu_device']}"
+    print(f"engine: {engine} | prefill: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | "
           f"decode: {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s | finish: {r.finish_reason}")
+    stats = getattr(lm.model, "ffn_stats", None) if lm is not None else None
+    if stats is not None and stats.layer_calls:
+        per_token = " ".join(f"{f:.2f}" for f in stats.per_token_active[:16])
+        more = " ..." if len(stats.per_token_active) > 16 else ""
+        print(f"FFN neurons computed per decode token: {stats.active_fraction:.3f} of all "
+              f"(per token: {per_token}{more}) | GPU share of neuron load: {stats.gpu_share:.3f} "
+              f"(GPU tier {stats.active_gpu}, CPU tier {stats.active_cpu} neurons) | "
+              f"layers merged {stats.synced}, sync skipped {stats.skipped_sync}")

@@ -62,6 +62,30 @@ def default_profile_dir(model_path: str) -> str:
     return str(model_cache_dir(content_hash(model_path)) / "profile")
 
 
+def make_profile(lm, dataset: str, n_prompts: int, n_heldout: int, max_tokens: int, settings, out_dir: str,
+                 weights: str = "fp32"):
+    """Split the dataset, write split.json and profile `lm` into out_dir (shared with `prepare`)."""
+    from ..data import load_prompts, split_prompts
+    from ..offline.profile import profile_model
+    from ..paths import content_hash
+
+    prompts = load_prompts(dataset)
+    profile_set, heldout_set = split_prompts(prompts, n_prompts, n_heldout, settings.seed)
+    a = lm.args
+    manifest = {
+        "model": {"hash": content_hash(lm.path), "path": os.path.abspath(lm.path), "family": a.family,
+                  "name": os.path.basename(lm.path.rstrip("/")), "n_layers": a.n_layers, "d_model": a.d_model,
+                  "n_ff": a.ffn_dim, "act": a.act, "dtype": weights, "shape": model_shape_dict(a, lm.path)},
+        "dataset": {"name": dataset, "seed": settings.seed, "n_profile": len(profile_set),
+                    "n_heldout": len(heldout_set), "max_tokens": max_tokens, "split_file": "split.json"},
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "split.json"), "w") as f:
+        json.dump({"profile": [p.id for p in profile_set], "heldout": [p.id for p in heldout_set]}, f)
+    return profile_model(lm, [p.text for p in profile_set], [p.text for p in heldout_set], max_tokens, settings,
+                         out_dir, manifest)
+
+
 def _check_output(path: str, force: bool, user_given: bool) -> None:
     if user_given and os.path.exists(os.path.join(path, "manifest.json")) and not force:
         raise BadArgumentError(f"{path} already holds a profile; pass --force to overwrite it")
@@ -84,40 +108,25 @@ def run(args: argparse.Namespace) -> int:
     if args.max_ppl_increase is not None and args.max_ppl_increase < 0:
         raise BadArgumentError("--max-ppl-increase must be >= 0")
     evals = tuple(float(s) for s in args.eval_sparsities.split(",") if s.strip())
-    from ..data import load_prompts, split_prompts
-    from ..offline.profile import ProfileSettings, is_relu_family, profile_model
-    from ..paths import content_hash
+    from ..offline.profile import ProfileSettings, is_relu_family
 
     if args.output:
         _check_output(args.output, args.force, True)
-    prompts = load_prompts(args.dataset)
-    profile_set, heldout_set = split_prompts(prompts, args.prompts, args.heldout, args.seed)
-    out = args.output or None
     lm = load_from_args(args)
-    out_dir = out or default_profile_dir(lm.path)
-    _check_output(out_dir, args.force, out is not None)
+    out_dir = args.output or default_profile_dir(lm.path)
+    _check_output(out_dir, args.force, args.output is not None)
     target = args.target_sparsity
     if target is None and args.max_ppl_increase is None and not is_relu_family(lm.model):
         target = 0.5
     settings = ProfileSettings(criterion=args.criterion, target_sparsity=target,
                                max_ppl_increase=args.max_ppl_increase, sample_tokens=args.sample_tokens,
                                sample_bytes=parse_size(args.sample_bytes), seed=args.seed, eval_sparsities=evals)
-    a = lm.args
-    manifest = {
-        "model": {"hash": content_hash(lm.path), "path": os.path.abspath(lm.path), "family": a.family,
-                  "name": os.path.basename(lm.path.rstrip("/")), "n_layers": a.n_layers, "d_model": a.d_model,
-                  "n_ff": a.ffn_dim, "act": a.act, "dtype": args.dtype, "shape": model_shape_dict(a, lm.path)},
-        "dataset": {"name": args.dataset, "seed": args.seed, "n_profile": len(profile_set),
-                    "n_heldout": len(heldout_set), "max_tokens": args.max_tokens, "split_file": "split.json"},
-    }
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "split.json"), "w") as f:
-        json.dump({"profile": [p.id for p in profile_set], "heldout": [p.id for p in heldout_set]}, f)
-    prof = profile_model(lm, [p.text for p in profile_set], [p.text for p in heldout_set], args.max_tokens,
-                         settings, out_dir, manifest)
+    prof = make_profile(lm, args.dataset, args.prompts, args.heldout, args.max_tokens, settings, out_dir,
+                        weights=args.dtype)
+    n_profile = prof.manifest["dataset"]["n_profile"]
     q = prof.manifest.get("quality", {})
     mean_sparsity = sum(l.sparsity for l in prof.layers) / len(prof.layers)
-    print(f"profiled {prof.manifest['tokens']} tokens over {len(profile_set)} prompts; mean sparsity "
+    print(f"profiled {prof.manifest['tokens']} tokens over {n_profile} prompts; mean sparsity "
           f"{mean_sparsity:.3f}; top-20% share {sum(l.coverage(0.2) for l in prof.layers) / len(prof.layers):.3f}"
           + "".join(f"; {k} {v:.3f}" for k, v in q.items())
           + f"; counting pass {prof.manifest['counting_tokens_per_s']:.0f} tok/s")

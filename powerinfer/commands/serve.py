@@ -7,11 +7,12 @@ import os
 import sys
 
 from ..errors import BadArgumentError
-from .common import add_model_arguments, load_from_args
+from .common import add_engine_arguments, add_model_arguments, load_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
+    add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-concurrency", type=int, default=1, help="generations running at once (default 1)")

@@ -129,7 +129,10 @@ class Model:
     for the last token only unless `all_logits` (tests and perplexity need all).
     """
 
-    def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype):
+    def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                 ffns: list[FFN] | None = None):
+        """`ffns`: one FFN per layer to use instead of building `DenseFFN`s from the state
+        (the packed hybrid engine brings its own)."""
         self.args = args
         self.dtype = dtype
 
@@ -162,7 +165,7 @@ class Model:
             p = f"layers.{i}."
             attn_norm = norm(p + "attn_norm")
             assert attn_norm is not None, f"missing {p}attn_norm"
-            ffn = DenseFFN(
+            ffn = ffns[i] if ffns is not None else DenseFFN(
                 w_in=linear(p + "ffn.w_in", p + "ffn.b_in"),
                 w_out=linear(p + "ffn.w_out", p + "ffn.b_out"),
                 act=args.act,

@@ -1,0 +1,284 @@
+"""The hybrid sparse FFN: each layer's neurons split across a GPU tier and a CPU tier.
+
+A packed model stores every layer's neurons in *packed order*: the GPU tier's rows first,
+then the CPU tier's, each tier hottest-first. The predictor's output rows are permuted the
+same way, so an active packed index k is GPU row k when k < n_gpu and CPU row k - n_gpu
+otherwise: splitting the active set is one binary search.
+
+Decode (one token) per layer:
+1. predictor logits -> active set (logits above the layer's threshold), in packed order;
+2. split by the neuron tables into the GPU part and the CPU part;
+3. the GPU part is handed to the GPU tier's executor, one worker thread: on a CUDA device it
+   launches the gather kernels and copies the (d,) result back; without one, the GPU tier is
+   a second set of CPU tensors computed by the same torch code (ops/gpu.py), so that path
+   runs in CI. Meanwhile the calling thread computes the CPU part with the fused numba
+   kernel (the torch ops release the GIL, so both really run at once);
+4. merge: out = residual + output bias + CPU part + GPU part. Selective sync: a tier with
+   no active neuron is not run, and when the CPU part is empty nothing waits for it.
+
+Neurons the predictor selects are also dropped when their true score is at or below the
+profile's threshold, as the sparse model is defined (see `InstrumentedFFN`). Modes:
+"sparse" (the above), "oracle" (every neuron computed, those at or below the threshold
+zeroed: the true activations, for quality checks), "dense" (every neuron, no threshold).
+Prefill (several tokens) always runs dense and batched, per tier, with torch GEMMs.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import BadArgumentError
+from ..ops import cpu, gpu, sparse_cpu
+from ..ops.numba_half import numpy_weights
+from .ffn import activation
+
+MODES = ("sparse", "oracle", "dense", "offload")
+CRITERION_IDS = {"none": 0, "gate": 1, "gate_up": 2}
+
+
+@dataclass
+class FFNStats:
+    """What the FFNs computed at decode, summed over layers and tokens (for --stats)."""
+
+    layer_calls: int = 0
+    neurons: int = 0  # neurons that exist in the layers called
+    active_gpu: int = 0
+    active_cpu: int = 0
+    synced: int = 0  # layer calls where both tiers ran and were merged
+    skipped_sync: int = 0  # layer calls where one tier had nothing to do
+    per_token_active: list[float] = field(default_factory=list)
+    _token_active: int = 0
+    _token_neurons: int = 0
+
+    def record(self, n_gpu: int, n_cpu: int, neurons: int, both: bool) -> None:
+        self.layer_calls += 1
+        self.neurons += neurons
+        self.active_gpu += n_gpu
+        self.active_cpu += n_cpu
+        self._token_active += n_gpu + n_cpu
+        self._token_neurons += neurons
+        if both:
+            self.synced += 1
+        else:
+            self.skipped_sync += 1
+
+    def end_token(self) -> None:
+        if self._token_neurons:
+            self.per_token_active.append(self._token_active / self._token_neurons)
+        self._token_active = self._token_neurons = 0
+
+    @property
+    def active_fraction(self) -> float:
+        return (self.active_gpu + self.active_cpu) / max(self.neurons, 1)
+
+    @property
+    def gpu_share(self) -> float:
+        """The paper's "GPU share of neuron load": active neurons computed by the GPU tier."""
+        return self.active_gpu / max(self.active_gpu + self.active_cpu, 1)
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+class Tier:
+    """One tier's rows of one layer: gate (or fc1) and up rows, the transposed down
+    projection, an optional fc1 bias and the neuron table (tier row -> original neuron)."""
+
+    def __init__(self, name: str, w_gate: torch.Tensor, w_up: torch.Tensor | None, b_in: torch.Tensor | None,
+                 wt_down: torch.Tensor, neurons: torch.Tensor, numba_kernels: bool):
+        self.name = name
+        self.w_gate, self.w_up, self.b_in, self.wt_down = w_gate, w_up, b_in, wt_down
+        self.neurons = neurons
+        self.n = int(neurons.shape[0])
+        self.device = w_gate.device
+        # the CPU tier on a CPU device runs the numba kernels; the GPU tier always the torch path
+        self.numba = numba_kernels and self.device.type == "cpu" and cpu.supports(w_gate)
+        if self.numba:
+            self._np = (numpy_weights(w_gate), None if w_up is None else numpy_weights(w_up),
+                        cpu.NO_BIAS if b_in is None else b_in.numpy(), numpy_weights(wt_down))
+        self.all_rows = torch.arange(self.n, dtype=torch.int64)
+        self._all_np = self.all_rows.numpy()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.w_gate, self.w_up, self.b_in, self.wt_down) if t is not None]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+class HybridFFN:
+    """A layer's FFN over two tiers (see the module docstring). Callable like `DenseFFN`."""
+
+    def __init__(self, gpu_tier: Tier, cpu_tier: Tier, b_out: torch.Tensor | None, act: str, up_act: str | None,
+                 gated: bool, criterion: str, threshold: float, predictor: "Predictor | None", mode: str,
+                 executor: ThreadPoolExecutor | None, stats: FFNStats, last_layer: bool = False):
+        if mode not in MODES:
+            raise BadArgumentError(f"unknown mode {mode!r} (choose {', '.join(MODES)})")
+        if mode == "sparse" and predictor is None:
+            raise BadArgumentError("--mode sparse needs predictors; this packed model has none (run `powerinfer prepare`)")
+        self.gpu, self.cpu = gpu_tier, cpu_tier
+        self.b_out = b_out
+        self.act_name, self.up_act_name = act, up_act
+        self.act, self.up_act = activation(act), activation(up_act) if up_act else None
+        self.act_id = cpu.ACT_IDS[act]
+        self.up_act_id = cpu.ACT_IDS[up_act] if up_act else -1
+        self.gated = gated
+        self.criterion = criterion
+        self.criterion_id = CRITERION_IDS[criterion if gated else ("gate" if criterion != "none" else "none")]
+        self.threshold = float(threshold)
+        self.predictor = predictor
+        self.mode = mode
+        self.executor = executor
+        self.stats = stats
+        self.last_layer = last_layer  # ends the token in the stats
+        self.n_ff = gpu_tier.n + cpu_tier.n
+
+    # -- the public protocol ------------------------------------------------------------
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] == 1 and self.mode == "sparse":
+            gpu_idx, cpu_idx = self.split(self.predictor.active(x))
+            out = self.run_tiers(x, gpu_idx, cpu_idx, self.criterion_id, record=True)
+        else:
+            criterion = self.criterion_id if self.mode == "oracle" else 0
+            out = self.run_tiers(x, None, None, criterion, record=x.shape[0] == 1)
+        if self.b_out is not None:
+            out = out + self.b_out
+        return out if residual is None else out + residual
+
+    def tensors(self) -> list[torch.Tensor]:
+        extra = [] if self.predictor is None else self.predictor.tensors()
+        return self.gpu.tensors() + self.cpu.tensors() + ([self.b_out] if self.b_out is not None else []) + extra
+
+    # -- pieces, public for tests and benchmarks ------------------------------------------
+    def split(self, packed_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Active packed indices -> (GPU tier rows, CPU tier rows)."""
+        cut = int(torch.searchsorted(packed_idx, self.gpu.n))
+        return packed_idx[:cut], packed_idx[cut:] - self.gpu.n
+
+    def run_tiers(self, x: torch.Tensor, gpu_idx: torch.Tensor | None, cpu_idx: torch.Tensor | None,
+                  criterion: int, record: bool = False) -> torch.Tensor:
+        """Sum of both tiers' FFN outputs over the given rows (None = all rows)."""
+        run_gpu = self.gpu.n > 0 and (gpu_idx is None or gpu_idx.numel() > 0)
+        run_cpu = self.cpu.n > 0 and (cpu_idx is None or cpu_idx.numel() > 0)
+        if record:
+            n_g = 0 if not run_gpu else (self.gpu.n if gpu_idx is None else gpu_idx.numel())
+            n_c = 0 if not run_cpu else (self.cpu.n if cpu_idx is None else cpu_idx.numel())
+            self.stats.record(n_g, n_c, self.n_ff, run_gpu and run_cpu)
+            if self.last_layer:
+                self.stats.end_token()
+        future: Future | None = None
+        gpu_out = None
+        if run_gpu:
+            if self.executor is not None and run_cpu:
+                future = self.executor.submit(self.tier_output, self.gpu, x, gpu_idx, criterion)
+            else:
+                gpu_out = self.tier_output(self.gpu, x, gpu_idx, criterion)
+        cpu_out = self.tier_output(self.cpu, x, cpu_idx, criterion) if run_cpu else None
+        if future is not None:
+            gpu_out = future.result()
+        if gpu_out is None and cpu_out is None:
+            return torch.zeros(x.shape[0], self.out_features, dtype=torch.float32)
+        if gpu_out is None:
+            return cpu_out
+        if cpu_out is None:
+            return gpu_out
+        return cpu_out.add_(gpu_out)
+
+    @property
+    def out_features(self) -> int:
+        return int(self.cpu.wt_down.shape[1])
+
+    def tier_output(self, tier: Tier, x: torch.Tensor, idx: torch.Tensor | None, criterion: int) -> torch.Tensor:
+        """One tier's FFN output (T, d_out) on the CPU, over rows `idx` (None = all)."""
+        if tier.numba and x.shape[0] <= 4:
+            return self._numba_tier(tier, x, tier.all_rows if idx is None else idx, criterion)
+        xd = x.to(tier.device, non_blocking=True)
+        if idx is None:
+            out = self._torch_dense(tier, xd, criterion)
+        else:
+            out = self._torch_sparse(tier, xd, idx.to(tier.device, non_blocking=True), criterion)
+        return out.to("cpu")
+
+    def _numba_tier(self, tier: Tier, x: torch.Tensor, idx: torch.Tensor, criterion: int) -> torch.Tensor:
+        wg, wu, b_in, wd = tier._np
+        x_np = x.contiguous().numpy()
+        idx_np = idx.numpy()
+        out = np.zeros((x.shape[0], wd.shape[1]), dtype=np.float32)
+        chunks = sparse_cpu.default_chunks()
+        if self.gated:
+            h = np.empty((x.shape[0], idx_np.shape[0]), dtype=np.float32)
+            sparse_cpu.gated_ffn(wg, wu, wd, x_np, idx_np, self.act_id, self.up_act_id, criterion,
+                                 np.float32(self.threshold), chunks, h, out, False)
+        else:
+            a = np.empty((x.shape[0], idx_np.shape[0]), dtype=np.float32)
+            # an empty index array means "all rows" to row_gemv, which is what idx holds then
+            sparse_cpu.row_gemv(wg, x_np, idx_np if idx_np.shape[0] < tier.n else _ALL, b_in, self.act_id, a)
+            if criterion:
+                a[np.abs(a) <= self.threshold] = 0.0
+            sparse_cpu.col_axpy(wd, a, idx_np, chunks, out, False)
+        return torch.from_numpy(out)
+
+    def _values(self, g: torch.Tensor, u: torch.Tensor | None, criterion: int) -> torch.Tensor:
+        a = self.act(g)
+        if u is None:
+            h = a
+        else:
+            h = a * (self.up_act(u) if self.up_act is not None else u)
+        if criterion == 1:
+            h = torch.where(a.abs() <= self.threshold, torch.zeros_like(h), h)
+        elif criterion == 2:
+            h = torch.where(h.abs() <= self.threshold, torch.zeros_like(h), h)
+        return h
+
+    def _torch_dense(self, tier: Tier, x: torch.Tensor, criterion: int) -> torch.Tensor:
+        g = gpu._matmul(x, tier.w_gate.t())
+        if tier.b_in is not None:
+            g = g + tier.b_in.float()
+        u = gpu._matmul(x, tier.w_up.t()) if self.gated else None
+        return gpu._matmul(self._values(g, u, criterion), tier.wt_down)
+
+    def _torch_sparse(self, tier: Tier, x: torch.Tensor, idx: torch.Tensor, criterion: int) -> torch.Tensor:
+        if self.gated:
+            out, _ = gpu.sparse_gated_ffn(tier.w_gate, tier.w_up, tier.wt_down, x, idx, self.act_name,
+                                          self.up_act_name, criterion, self.threshold)
+            return out
+        g = gpu.sparse_row_gemv(tier.w_gate, x, idx, tier.b_in)
+        return gpu.sparse_col_axpy(tier.wt_down, self._values(g, None, criterion), idx)
+
+
+_ALL = np.zeros(0, dtype=np.int64)
+
+
+class Predictor:
+    """One layer's activation predictor, rows in packed order: logits = W2 relu(W1 x + b1) + b2;
+    active = logits > threshold."""
+
+    def __init__(self, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, threshold: float):
+        self.w1, self.b1, self.w2, self.b2 = (t.float().contiguous() for t in (w1, b1, w2, b2))
+        self.threshold = float(threshold)
+        self.device = self.w1.device
+        if self.device.type == "cpu":
+            self._np = (self.w1.numpy(), self.b1.numpy(), self.w2.numpy(), self.b2.numpy())
+            self._hidden = np.empty((1, self.w1.shape[0]), dtype=np.float32)
+            self._logits = np.empty((1, self.w2.shape[0]), dtype=np.float32)
+            self._thr = np.array([self.threshold], dtype=np.float32)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return gpu.predictor_logits(self.w1, self.b1, self.w2, self.b2, x.to(self.device)).cpu()
+
+    def active(self, x: torch.Tensor) -> torch.Tensor:
+        """Sorted int64 packed indices of the neurons predicted active for one token."""
+        if self.device.type != "cpu":
+            return gpu.threshold_to_index(self.logits(x).to(self.device), torch.tensor(self.threshold)).cpu()
+        w1, b1, w2, b2 = self._np
+        x_np = x.contiguous().numpy()
+        sparse_cpu.row_gemv(w1, x_np, _ALL, b1, cpu.ACT_IDS["relu"], self._hidden)
+        sparse_cpu.row_gemv(w2, self._hidden, _ALL, b2, -1, self._logits)
+        return torch.from_numpy(sparse_cpu.threshold_to_index(self._logits, self._thr, _ALL))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.w1, self.b1, self.w2, self.b2]

@@ -1,0 +1,220 @@
+"""Load a packed model (offline/pack.py writes it) onto its two tiers, as a runnable model.
+
+The GPU tier is the CUDA device when there is one; without one it is a second set of CPU
+tensors computed by the GPU tier's torch code on its own executor thread, so every code
+path runs (and is tested) on a CPU-only machine. Attention, embeddings, norms, the LM head
+and the KV cache run on the CPU in this version, whatever the placement says about them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..errors import BadArgumentError, PowerInferError
+from ..loader import LoadedModel, parse_dtype
+from ..models.base import Model, ModelArgs
+from ..offline.pack import FORMAT, FORMAT_VERSION, SHARDS
+from ..ops import cpu
+from ..paths import content_hash
+from .hybrid import MODES, FFNStats, HybridFFN, Predictor, Tier
+
+
+class PackedModelError(PowerInferError):
+    """A packed model directory is missing, corrupt, or made for another model."""
+
+
+def read_manifest(path: str) -> dict:
+    mpath = os.path.join(path, "manifest.json")
+    if not os.path.isdir(path):
+        raise PackedModelError(f"{path}: no such packed model directory; run `powerinfer prepare` or `pack`")
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise PackedModelError(f"{path}: not a packed model (no manifest.json)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PackedModelError(f"{mpath}: corrupt manifest ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise PackedModelError(f"{mpath}: not a powerinfer packed-model manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise PackedModelError(f"{mpath}: packed format version {manifest.get('format_version')} is not "
+                               f"{FORMAT_VERSION}; pack the model again")
+    return manifest
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _read_shards(path: str, manifest: dict) -> dict[str, dict[str, torch.Tensor]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    out = {}
+    for name in SHARDS:
+        info = manifest.get("shards", {}).get(name)
+        if not info:
+            raise PackedModelError(f"{path}: the manifest lists no {name} shard")
+        file = os.path.join(path, info["file"])
+        if not os.path.isfile(file):
+            raise PackedModelError(f"{file}: missing shard")
+        if os.path.getsize(file) != info["bytes"]:
+            raise PackedModelError(f"{file}: {os.path.getsize(file)} bytes, the manifest says {info['bytes']} "
+                                   "(truncated or replaced); pack the model again")
+        if info.get("hash") and content_hash(file) != info["hash"]:
+            raise PackedModelError(f"{file}: contents do not match the manifest's hash (corrupt); pack the model again")
+        try:
+            out[name] = load_file(file)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise PackedModelError(f"{file}: corrupt shard ({e})") from None
+    return out
+
+
+def _tier_tensors(shards: dict, layer: int, tier: str, args: ModelArgs, path: str) -> dict[str, torch.Tensor | None]:
+    q = f"layers.{layer}.ffn.{tier}."
+    sh = shards[tier]
+    got = {k: sh.get(q + k) for k in ("gate", "up", "b_in", "down_t", "neurons")}
+    n = None if got["neurons"] is None else got["neurons"].shape[0]
+    d_out = args.d_model
+    ok = (n is not None and got["gate"] is not None and got["down_t"] is not None
+          and tuple(got["gate"].shape) == (n, args.d_model) and tuple(got["down_t"].shape) == (n, d_out)
+          and (not args.gated_ffn or (got["up"] is not None and tuple(got["up"].shape) == (n, args.d_model)))
+          and (got["b_in"] is None or tuple(got["b_in"].shape) == (n,)))
+    if not ok:
+        raise PackedModelError(f"{path}: layer {layer} {tier}-tier tensors are missing or do not match the model's shape")
+    return got
+
+
+def resolve_gpu_device(gpu_device: str | None) -> torch.device:
+    """The GPU tier's device: CUDA when present (or asked for), else the CPU (a virtual GPU tier)."""
+    if gpu_device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(gpu_device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BadArgumentError("--gpu-device cuda asked for, but torch sees no CUDA device")
+    return dev
+
+
+def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp32", threads: int | None = None,
+                gpu_device: str | None = None, model_hash: str | None = None,
+                with_tokenizer: bool = True) -> LoadedModel:
+    """Load the packed model at `path` for `mode` (sparse, oracle, dense or offload).
+
+    Refuses, with one clear message, directories that are not packed models, shards that are
+    truncated or corrupt, tensors that do not match the manifest's shapes, a packed model made
+    from another model than `model_hash`, and tiers the machine cannot hold.
+    """
+    if mode not in MODES:
+        raise BadArgumentError(f"unknown mode {mode!r} (choose {', '.join(MODES)})")
+    if threads is not None:
+        if threads < 1:
+            raise BadArgumentError("threads must be >= 1")
+        torch.set_num_threads(threads)
+        cpu.set_threads(threads)
+    manifest = read_manifest(path)
+    if model_hash is not None and manifest["source"]["hash"] != model_hash:
+        raise PackedModelError(f"{path}: packed from model {manifest['source']['hash']}, not this one ({model_hash}); "
+                               "run `powerinfer prepare` for it")
+    try:
+        args = ModelArgs(**manifest["args"])
+    except TypeError as e:
+        raise PackedModelError(f"{path}: the manifest's model arguments are malformed ({e})") from None
+    torch_dtype = parse_dtype(dtype)
+    dev = resolve_gpu_device(gpu_device)
+    total = sum(s["tensor_bytes"] for s in manifest["shards"].values())
+    gpu_bytes = manifest["shards"]["gpu"]["tensor_bytes"]
+    if dev.type == "cuda":
+        free = torch.cuda.mem_get_info(dev)[0]
+        if gpu_bytes > free:
+            raise BadArgumentError(f"the GPU tier needs {gpu_bytes / 2**30:.2f} GiB, the GPU has {free / 2**30:.2f} GiB "
+                                   "free; prepare with a smaller --vram-budget")
+    ram = _available_ram()
+    if total > ram:
+        raise BadArgumentError(f"the packed model needs {total / 2**30:.2f} GiB of memory, "
+                               f"{ram / 2**30:.2f} GiB are available")
+    shards = _read_shards(path, manifest)
+    if mode == "sparse" and manifest.get("predictors") is None:
+        raise BadArgumentError(f"{path}: packed without predictors; --mode sparse needs them (use oracle or dense)")
+    dense_state = {k: v for name in SHARDS for k, v in shards[name].items() if ".ffn.gpu." not in k
+                   and ".ffn.cpu." not in k and ".predictor." not in k}
+    stats = FFNStats()
+    layers_meta = manifest.get("layers", [])
+    if len(layers_meta) != args.n_layers:
+        raise PackedModelError(f"{path}: the manifest describes {len(layers_meta)} layers, the model has {args.n_layers}")
+    offload_layers = int(manifest["placement"].get("offload_gpu_layers", 0))
+    ffns, any_gpu = [], False
+    for i in range(args.n_layers):
+        g = _tier_tensors(shards, i, "gpu", args, path)
+        c = _tier_tensors(shards, i, "cpu", args, path)
+        neurons = torch.cat([g["neurons"], c["neurons"]])
+        if neurons.shape[0] != args.ffn_dim or not torch.equal(torch.sort(neurons).values, torch.arange(args.ffn_dim)):
+            raise PackedModelError(f"{path}: layer {i}'s neuron tables are not a permutation of its {args.ffn_dim} neurons")
+        if mode == "offload":  # llama.cpp-style: whole layers on the GPU tier, the rest on the CPU
+            g, c = _whole_layer(g, c, on_gpu=i < offload_layers)
+        gpu_tier = _make_tier("gpu", g, dev, torch_dtype if dev.type == "cpu" else _gpu_dtype(torch_dtype))
+        cpu_tier = _make_tier("cpu", c, torch.device("cpu"), torch_dtype)
+        any_gpu = any_gpu or gpu_tier.n > 0
+        predictor = None
+        if manifest.get("predictors") is not None:
+            p = {k: shards["gpu"].get(f"layers.{i}.predictor.{k}") for k in ("w1", "b1", "w2", "b2")}
+            if any(v is None for v in p.values()) or p["w2"].shape[0] != args.ffn_dim or p["w1"].shape[1] != args.d_model:
+                raise PackedModelError(f"{path}: layer {i}'s predictor is missing or does not match the model")
+            pred_dev = dev if dev.type == "cuda" else torch.device("cpu")
+            predictor = Predictor(*(p[k].to(pred_dev) for k in ("w1", "b1", "w2", "b2")),
+                                  threshold=layers_meta[i]["predictor"]["threshold"])
+        b_out = dense_state.pop(f"layers.{i}.ffn.b_out", None)
+        ffns.append(HybridFFN(gpu_tier, cpu_tier, None if b_out is None else b_out.float(), args.act, args.up_act,
+                              args.gated_ffn, manifest["criterion"], layers_meta[i]["threshold"], predictor,
+                              mode, None, stats, last_layer=i == args.n_layers - 1))
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-tier") if any_gpu else None
+    for f in ffns:
+        f.executor = executor
+    model = Model(args, dense_state, torch_dtype, ffns=ffns)
+    model.ffn_stats = stats
+    model.packed = {"path": path, "mode": mode, "gpu_device": str(dev), "manifest": manifest}
+    tokenizer = None
+    tok_dir = os.path.join(path, "tokenizer")
+    if with_tokenizer and os.path.isdir(tok_dir):
+        from transformers import AutoTokenizer
+
+        from ..tokenizer import Tokenizer, _quiet_transformers
+
+        _quiet_transformers()
+        try:
+            tokenizer = Tokenizer(AutoTokenizer.from_pretrained(tok_dir), args.eos_token_ids)
+        except (OSError, ValueError) as e:
+            raise PackedModelError(f"{tok_dir}: cannot load the tokenizer ({e})") from None
+    return LoadedModel(model=model, tokenizer=tokenizer, path=manifest["source"]["path"])
+
+
+def _gpu_dtype(dtype: torch.dtype) -> torch.dtype:
+    # fp32 on a real GPU wastes its memory and bandwidth; half is what its tensor cores take
+    return torch.float16 if dtype == torch.float32 else dtype
+
+
+def _whole_layer(g: dict, c: dict, on_gpu: bool) -> tuple[dict, dict]:
+    merged = {}
+    for k in ("gate", "up", "b_in", "down_t", "neurons"):
+        merged[k] = None if g[k] is None and c[k] is None else torch.cat([g[k], c[k]])
+    empty = {k: None if v is None else v[:0] for k, v in merged.items()}
+    return (merged, empty) if on_gpu else (empty, merged)
+
+
+def _make_tier(name: str, t: dict, device: torch.device, dtype: torch.dtype) -> Tier:
+    def mat(x):
+        return None if x is None else x.to(device=device, dtype=dtype).contiguous()
+
+    b_in = None if t["b_in"] is None else t["b_in"].float().to(device).contiguous()
+    return Tier(name, mat(t["gate"]), mat(t["up"]), b_in, mat(t["down_t"]), t["neurons"].long(),
+                numba_kernels=name == "cpu")

@@ -1,0 +1,196 @@
+"""`pack`: write a model in the layout the hybrid engine loads directly.
+
+A packed model directory holds:
+
+* `manifest.json`: format version, the source model's hash and path, family and ModelArgs,
+  weight dtype, the profile's criterion and per-layer thresholds, predictor ranks and
+  thresholds, a placement summary, and each shard's size and hash;
+* `gpu.safetensors`: what the placement puts on the GPU: the hot neurons' FFN rows, the
+  predictors and, when the placement says so, attention and the other dense parts;
+* `cpu.safetensors`: the cold neurons' rows and everything else;
+* `tokenizer/`: the source model's tokenizer, so the packed model needs nothing else.
+
+Per layer and tier: `layers.L.ffn.T.gate` (gate rows, or fc1 rows of a plain FFN),
+`.up`, `.b_in` (fc1 bias), `.down_t` (the down projection transposed: one row per neuron)
+and `.neurons` (tier row -> original neuron index), rows hottest first. Predictor output
+rows are permuted into packed order (GPU rows, then CPU rows), see engine/hybrid.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..errors import BadArgumentError, UnsupportedModelError
+from ..loader import DTYPES, read_model, resolve_model_path
+from ..paths import content_hash
+from .stats import Profile
+from .train import Predictors
+
+FORMAT = "powerinfer-packed"
+FORMAT_VERSION = 1
+SHARDS = ("gpu", "cpu")
+
+
+def _is_ffn_key(key: str) -> bool:
+    return key.startswith("layers.") and ".ffn." in key
+
+
+def gpu_neuron_sets(placement: dict | None, n_layers: int, n_ff: int, model_hash: str) -> list[np.ndarray]:
+    """Per layer, the original neuron indices the placement puts on the GPU (validated)."""
+    if placement is None:
+        return [np.zeros(0, dtype=np.int64) for _ in range(n_layers)]
+    if placement.get("format") != "powerinfer-placement":
+        raise BadArgumentError("the placement file is not a powerinfer placement (from `powerinfer solve`)")
+    if placement.get("model_hash") not in (None, model_hash):
+        raise BadArgumentError(f"the placement was solved for model {placement.get('model_hash')}, not this one "
+                               f"({model_hash})")
+    layers = placement.get("layers", [])
+    if len(layers) != n_layers:
+        raise BadArgumentError(f"the placement has {len(layers)} layers, the model {n_layers}")
+    out = []
+    for i, layer in enumerate(layers):
+        g = np.asarray(layer.get("gpu_neurons", []), dtype=np.int64)
+        if g.size and (g.min() < 0 or g.max() >= n_ff or len(np.unique(g)) != g.size):
+            raise BadArgumentError(f"placement layer {i}: GPU neurons must be distinct indices in [0, {n_ff})")
+        out.append(np.sort(g))
+    return out
+
+
+def hot_first(counts: np.ndarray, members: np.ndarray) -> np.ndarray:
+    """`members` ordered by activation count, hottest first (ties by index)."""
+    return members[np.argsort(-counts[members], kind="stable")]
+
+
+def pack_model(model_path: str | None, out_dir: str, profile: Profile, predictors: Predictors | None = None,
+               placement: dict | None = None, dtype: str = "fp32", force: bool = False) -> dict:
+    """Write the packed model to `out_dir`; returns the manifest."""
+    if dtype not in DTYPES:
+        raise BadArgumentError(f"unknown dtype {dtype!r} (choose {', '.join(DTYPES)})")
+    if os.path.exists(os.path.join(out_dir, "manifest.json")) and not force:
+        raise BadArgumentError(f"{out_dir} already holds a packed model; pass --force to overwrite it")
+    if os.path.isfile(out_dir):
+        raise BadArgumentError(f"{out_dir} is a file, not a directory")
+    path = resolve_model_path(model_path)
+    model_hash = content_hash(path)
+    if profile.model_hash not in (None, model_hash):
+        raise BadArgumentError(f"the profile is of model {profile.model_hash}, not this one ({model_hash})")
+    args, state = read_model(path)
+    L, n_ff = args.n_layers, args.ffn_dim
+    if len(profile.layers) != L or any(s.n_ff != n_ff for s in profile.layers):
+        raise BadArgumentError(f"the profile's layers do not match the model ({L} layers of {n_ff} neurons)")
+    if predictors is not None:
+        if predictors.manifest.get("model_hash") not in (None, model_hash):
+            raise BadArgumentError("the predictors were trained for another model")
+        if len(predictors.layers) != L or any(p.w2.shape[0] != n_ff or p.w1.shape[1] != args.d_model
+                                              for p in predictors.layers):
+            raise BadArgumentError(f"the predictors do not match the model ({L} layers, d={args.d_model}, {n_ff} neurons)")
+    if args.gated_ffn and any(state.get(f"layers.{i}.ffn.b_in") is not None for i in range(L)):
+        raise UnsupportedModelError("gated FFNs with gate/up biases are not supported by the sparse engine")
+    gpu_sets = gpu_neuron_sets(placement, L, n_ff, model_hash)
+    dense_on_gpu = bool(placement.get("dense_on_gpu", False)) if placement else False
+    wdtype = DTYPES[dtype]
+    shards: dict[str, dict[str, torch.Tensor]] = {"gpu": {}, "cpu": {}}
+    dense_shard = shards["gpu" if dense_on_gpu else "cpu"]
+    for key, t in state.items():
+        if t is None or _is_ffn_key(key):
+            continue
+        # matrices in the packed dtype; norms and biases (1-D) stay fp32, as the engine keeps them
+        dense_shard[key] = (t.to(wdtype) if t.dim() >= 2 else t.float()).contiguous()
+    layer_info = []
+    for i in tqdm(range(L), desc="pack", unit="layer"):
+        p = f"layers.{i}.ffn."
+        w_in, w_out, b_in = state[p + "w_in"], state[p + "w_out"], state.get(p + "b_in")
+        if state.get(p + "b_out") is not None:
+            dense_shard[p + "b_out"] = state[p + "b_out"].float().contiguous()
+        counts = profile.layers[i].counts
+        on_gpu = np.zeros(n_ff, dtype=bool)
+        on_gpu[gpu_sets[i]] = True
+        tables = {"gpu": hot_first(counts, np.flatnonzero(on_gpu)), "cpu": hot_first(counts, np.flatnonzero(~on_gpu))}
+        for tier, rows in tables.items():
+            r = torch.from_numpy(rows)
+            sh, q = shards[tier], f"{p}{tier}."
+            sh[q + "gate"] = w_in[r].to(wdtype).contiguous()
+            if args.gated_ffn:
+                sh[q + "up"] = w_in[n_ff + r].to(wdtype).contiguous()
+            elif b_in is not None:
+                sh[q + "b_in"] = b_in[r].float().contiguous()
+            sh[q + "down_t"] = w_out[:, r].t().to(wdtype).contiguous()
+            sh[q + "neurons"] = r.clone()
+        if predictors is not None:
+            pr = predictors.layers[i]
+            perm = torch.from_numpy(np.concatenate([tables["gpu"], tables["cpu"]]))
+            sh = shards["gpu"]
+            sh[f"layers.{i}.predictor.w1"] = pr.w1.float().contiguous()
+            sh[f"layers.{i}.predictor.b1"] = pr.b1.float().contiguous()
+            sh[f"layers.{i}.predictor.w2"] = pr.w2.float()[perm].contiguous()
+            sh[f"layers.{i}.predictor.b2"] = pr.b2.float()[perm].contiguous()
+        layer_info.append({"layer": i, "n_gpu": int(len(tables["gpu"])), "n_cpu": int(len(tables["cpu"])),
+                           "threshold": profile.thresholds[i],
+                           "predictor": None if predictors is None else {
+                               "rank": predictors.layers[i].rank, "threshold": predictors.layers[i].threshold,
+                               "recall": predictors.layers[i].recall, "precision": predictors.layers[i].precision}})
+    tmp = out_dir.rstrip("/") + f".tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    from safetensors.torch import save_file
+
+    shard_info = {}
+    for name in SHARDS:
+        file = os.path.join(tmp, f"{name}.safetensors")
+        save_file(shards[name], file)
+        shard_info[name] = {"file": f"{name}.safetensors", "bytes": os.path.getsize(file),
+                            "tensor_bytes": sum(t.numel() * t.element_size() for t in shards[name].values())}
+    _save_tokenizer(path, args.eos_token_ids, os.path.join(tmp, "tokenizer"))
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION,
+        "source": {"path": os.path.abspath(path), "hash": model_hash},
+        "family": args.family, "args": asdict(args), "dtype": dtype,
+        "criterion": profile.criterion, "profile_hash": _profile_hash(profile),
+        "predictors": None if predictors is None else {
+            "param_ratio": predictors.manifest.get("param_ratio"), "profile_hash": predictors.manifest.get("profile_hash")},
+        "placement": {"hardware": (placement or {}).get("hardware", {}).get("name", "none"),
+                      "budget": (placement or {}).get("budget", {}).get("total", 0),
+                      "dense_on_gpu": dense_on_gpu,
+                      "offload_gpu_layers": int((placement or {}).get("baselines", {}).get("offload", {})
+                                                .get("gpu_layers", 0)),
+                      "gpu_neurons": int(sum(l["n_gpu"] for l in layer_info)),
+                      "predicted_tokens_per_s": (placement or {}).get("predicted_tokens_per_s")},
+        "shards": shard_info,
+        "layers": layer_info,
+    }
+    with open(os.path.join(tmp, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    # hashes last, of the files as written; loading compares them (memoised by size+mtime)
+    for name in SHARDS:
+        manifest["shards"][name]["hash"] = content_hash(os.path.join(tmp, f"{name}.safetensors"))
+    with open(os.path.join(tmp, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    if os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)
+    os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
+    os.replace(tmp, out_dir)
+    return manifest
+
+
+def _profile_hash(profile: Profile) -> str | None:
+    stats = os.path.join(profile.path, "stats.safetensors") if profile.path else None
+    if stats and os.path.isfile(stats):
+        from .train import file_hash
+
+        return file_hash(stats)
+    return None
+
+
+def _save_tokenizer(model_path: str, eos: list[int], out: str) -> None:
+    from ..tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_path, eos)
+    if tok is not None:
+        tok.hf.save_pretrained(out)

@@ -1,0 +1,332 @@
+"""Pack and the hybrid engine: packed models equal the dense ones they come from (oracle,
+ReLU, plain and gated FFNs), tiers split the work exactly, selective sync, and refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import powerinfer
+from cli_helpers import run_cli
+from powerinfer.data import load_prompts
+from powerinfer.engine.packed import PackedModelError, load_packed
+from powerinfer.errors import BadArgumentError
+from powerinfer.offline.pack import pack_model
+from powerinfer.offline.profile import ProfileSettings, instrumented, profile_model
+from powerinfer.offline.stats import LayerStats, Profile
+from powerinfer.offline.train import LayerPredictor, Predictors, TrainSettings, train_predictors
+from powerinfer.paths import content_hash
+from tiny_models import build_tiny, build_tokenized_llama
+
+N_FF = 64
+LAYERS = 3
+
+
+def texts(n: int = 24) -> list[str]:
+    return [p.text for p in load_prompts("sharegpt")[:n]]
+
+
+def make_placement(model_hash: str, sets, offload_layers: int = 0) -> dict:
+    return {"format": "powerinfer-placement", "model_hash": model_hash, "dense_on_gpu": False,
+            "baselines": {"offload": {"gpu_layers": offload_layers}},
+            "layers": [{"gpu_neurons": [int(i) for i in s]} for s in sets]}
+
+
+def placements(model_hash: str, n_layers: int = LAYERS, n_ff: int = N_FF) -> dict[str, dict]:
+    rng = np.random.default_rng(1)
+    split = [rng.choice(n_ff, n_ff // 3, replace=False) for _ in range(n_layers)]
+    mixed = [range(n_ff)] + [[]] * (n_layers - 2) + [split[-1]]
+    return {"all_cpu": make_placement(model_hash, [[]] * n_layers),
+            "all_gpu": make_placement(model_hash, [range(n_ff)] * n_layers),
+            "split": make_placement(model_hash, split),
+            "mixed": make_placement(model_hash, mixed)}
+
+
+def build_pipeline(root, smollm2_path, act: str, target_sparsity: float | None) -> SimpleNamespace:
+    path = build_tokenized_llama(root / "m", smollm2_path, hidden_act=act, num_hidden_layers=LAYERS,
+                                 intermediate_size=N_FF)
+    lm = powerinfer.load(str(path))
+    h = content_hash(str(path))
+    prof = profile_model(lm, texts(), [], 64, ProfileSettings(target_sparsity=target_sparsity, sample_tokens=4000),
+                         str(root / "profile"), {"model": {"hash": h}})
+    preds = train_predictors(prof, lm.model.num_parameters(),
+                             TrainSettings(recall=0.95, budget=1.0, r_min=4, r_max=32, epochs=8, seed=0))
+    return SimpleNamespace(path=str(path), lm=lm, hash=h, profile=prof, preds=preds, root=root)
+
+
+@pytest.fixture(scope="module")
+def relu(tmp_path_factory, smollm2_path):
+    return build_pipeline(tmp_path_factory.mktemp("hybrid-relu"), smollm2_path, "relu", None)
+
+
+@pytest.fixture(scope="module")
+def silu(tmp_path_factory, smollm2_path):
+    return build_pipeline(tmp_path_factory.mktemp("hybrid-silu"), smollm2_path, "silu", 0.5)
+
+
+def packed(p: SimpleNamespace, name: str, placement: dict | None, predictors=True, **kw) -> str:
+    out = str(p.root / f"packed-{name}")
+    if not os.path.isdir(out):
+        pack_model(p.path, out, p.profile, p.preds if predictors else None, placement, "fp32", **kw)
+    return out
+
+
+def prompt_ids(lm) -> torch.Tensor:
+    return torch.tensor(lm.tokenizer.encode("Hello there! Tell me about the ocean and its tides, please."))
+
+
+def decode_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits after each token, fed one token at a time (the decode path)."""
+    cache = model.new_cache(len(ids) + 1)
+    return torch.stack([model.forward(t[None], cache) for t in ids])
+
+
+@pytest.mark.parametrize("placement", ["all_cpu", "all_gpu", "split", "mixed"])
+def test_relu_oracle_equals_dense_for_every_placement(relu, placement):
+    plm = load_packed(packed(relu, placement, placements(relu.hash)[placement]), mode="oracle")
+    ids = prompt_ids(relu.lm)
+    dense = relu.lm.model
+    ref = dense.forward(ids, dense.new_cache(64), all_logits=True)
+    out = plm.model.forward(ids, plm.model.new_cache(64), all_logits=True)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(decode_logits(plm.model, ids), decode_logits(dense, ids), atol=2e-5, rtol=1e-5)
+    kw = dict(max_tokens=16, temperature=0)
+    assert powerinfer.generate(plm, "The sea is", **kw) == powerinfer.generate(relu.lm, "The sea is", **kw)
+
+
+@pytest.mark.parametrize("placement", ["all_cpu", "split"])
+def test_silu_oracle_and_sparse_equal_the_instrumented_reference(silu, placement):
+    """Oracle = dense with neurons at or below the calibrated threshold zeroed; sparse =
+    additionally only the predicted ones (what `train --eval` measures), token by token."""
+    ids = prompt_ids(silu.lm)
+    model, prof = silu.lm.model, silu.profile
+    with instrumented(model, prof.criterion, prof.thresholds):
+        ref_oracle = model.forward(ids, model.new_cache(64), all_logits=True)
+        ref_oracle_decode = decode_logits(model, ids)
+    with instrumented(model, prof.criterion, prof.thresholds, predictors=[p.active for p in silu.preds.layers]):
+        ref_sparse = decode_logits(model, ids)
+    dense = model.forward(ids, model.new_cache(64), all_logits=True)
+    path = packed(silu, placement, placements(silu.hash)[placement])
+    oracle = load_packed(path, mode="oracle").model
+    torch.testing.assert_close(oracle.forward(ids, oracle.new_cache(64), all_logits=True), ref_oracle,
+                               atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(decode_logits(oracle, ids), ref_oracle_decode, atol=2e-5, rtol=1e-5)
+    sparse = load_packed(path, mode="sparse").model
+    torch.testing.assert_close(decode_logits(sparse, ids), ref_sparse, atol=5e-5, rtol=1e-5)
+    # the sparse model skips neurons, and the thresholds and predictors really change the output
+    # (random weights: the predictors are barely better than chance, so they skip few)
+    assert sparse.ffn_stats.active_fraction < 0.98
+    assert not torch.allclose(ref_oracle, dense, atol=1e-3)
+    assert not torch.allclose(ref_sparse, ref_oracle_decode, atol=1e-3)
+    # dense mode on the packed model is the dense model; prefill in sparse mode is dense too
+    d = load_packed(path, mode="dense").model
+    torch.testing.assert_close(d.forward(ids, d.new_cache(64), all_logits=True), dense, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(sparse.forward(ids, sparse.new_cache(64), all_logits=True), dense, atol=2e-5, rtol=1e-5)
+
+
+def test_split_computes_each_active_neuron_exactly_once(silu):
+    split = load_packed(packed(silu, "split", placements(silu.hash)["split"]), mode="sparse").model
+    single = load_packed(packed(silu, "all_cpu", placements(silu.hash)["all_cpu"]), mode="sparse").model
+    g = torch.Generator().manual_seed(0)
+    for layer_s, layer_1 in zip(split.layers, single.layers):
+        fs, f1 = layer_s.ffn, layer_1.ffn
+        assert fs.gpu.n > 0 and fs.cpu.n > 0 and f1.gpu.n == 0
+        for _ in range(5):
+            x = torch.randn(1, silu.lm.args.d_model, generator=g)
+            gi, ci = fs.split(fs.predictor.active(x))
+            ids_split = torch.cat([fs.gpu.neurons[gi], fs.cpu.neurons[ci]])
+            ids_single = f1.cpu.neurons[f1.predictor.active(x)]
+            assert len(set(ids_split.tolist())) == len(ids_split)  # nothing twice
+            assert set(ids_split.tolist()) == set(ids_single.tolist())  # nothing dropped
+            assert len(gi) > 0 and len(ci) > 0
+            c = fs.criterion_id
+            gpu_part = fs.tier_output(fs.gpu, x, gi, c)
+            cpu_part = fs.tier_output(fs.cpu, x, ci, c)
+            whole = f1.tier_output(f1.cpu, x, f1.split(f1.predictor.active(x))[1], c)
+            torch.testing.assert_close(gpu_part + cpu_part, whole, atol=1e-5, rtol=1e-5)
+
+
+class CountingExecutor:
+    """Stands in for the GPU tier's executor to count the hand-offs (and run them inline)."""
+
+    def __init__(self):
+        self.submits = 0
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        self.submits += 1
+        f = Future()
+        f.set_result(fn(*args))
+        return f
+
+
+def test_selective_sync_skips_the_merge_when_the_cpu_part_is_empty(relu):
+    ids = prompt_ids(relu.lm)
+    all_gpu = load_packed(packed(relu, "all_gpu", placements(relu.hash)["all_gpu"]), mode="sparse").model
+    ex = CountingExecutor()
+    for layer in all_gpu.layers:
+        layer.ffn.executor = ex
+    decode_logits(all_gpu, ids)
+    st = all_gpu.ffn_stats
+    assert st.layer_calls == LAYERS * len(ids) and st.synced == 0 and st.skipped_sync == st.layer_calls
+    assert ex.submits == 0 and st.active_cpu == 0 and st.gpu_share == 1.0
+    split = load_packed(packed(relu, "split", placements(relu.hash)["split"]), mode="sparse").model
+    ex = CountingExecutor()
+    for layer in split.layers:
+        layer.ffn.executor = ex
+    decode_logits(split, ids)
+    assert split.ffn_stats.synced > 0 and ex.submits == split.ffn_stats.synced
+    assert 0 < split.ffn_stats.gpu_share < 1
+    assert len(split.ffn_stats.per_token_active) == len(ids)
+
+
+def test_offload_mode_puts_whole_layers_on_the_gpu_tier(relu):
+    pl = placements(relu.hash)["split"]
+    pl["baselines"]["offload"]["gpu_layers"] = 2
+    m = load_packed(packed(relu, "split-offload", pl), mode="offload").model
+    assert [(l.ffn.gpu.n, l.ffn.cpu.n) for l in m.layers] == [(N_FF, 0), (N_FF, 0), (0, N_FF)]
+    ids = prompt_ids(relu.lm)
+    torch.testing.assert_close(decode_logits(m, ids), decode_logits(relu.lm.model, ids), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["opt", "falcon_sequential_bias"])
+def test_plain_ffn_families_oracle_and_sparse(tmp_path, name):
+    """OPT (ReLU, fc1/fc2 biases) and Falcon (GELU): oracle at threshold 0 is dense; sparse
+    equals the instrumented reference with the same (random) predictors."""
+    path = build_tiny(name, tmp_path)
+    lm = powerinfer.load(str(path), with_tokenizer=False)
+    a = lm.args
+    h = content_hash(str(path))
+    g = torch.Generator().manual_seed(0)
+    prof = Profile([LayerStats(np.random.default_rng(i).integers(0, 100, a.ffn_dim).astype(np.int64), 100, 0.0)
+                    for i in range(a.n_layers)], {"model": {"hash": h}, "criterion": "gate"})
+    prof.save(str(tmp_path / "profile"))
+    prof = Profile.load(str(tmp_path / "profile"))
+    layers = [LayerPredictor(torch.randn(8, a.d_model, generator=g), torch.zeros(8), torch.randn(a.ffn_dim, 8, generator=g),
+                             torch.zeros(a.ffn_dim), 0.5, 1.0, 1.0, 0.5, 0.5, {}) for _ in range(a.n_layers)]
+    preds = Predictors(layers, {"model_hash": h})
+    rng = np.random.default_rng(0)
+    pl = make_placement(h, [rng.choice(a.ffn_dim, a.ffn_dim // 2, replace=False) for _ in range(a.n_layers)])
+    out = str(tmp_path / "packed")
+    pack_model(str(path), out, prof, preds, pl, "fp32")
+    ids = torch.arange(1, 20)
+    ref = decode_logits(lm.model, ids)
+    oracle = load_packed(out, mode="oracle", with_tokenizer=False).model
+    torch.testing.assert_close(decode_logits(oracle, ids), ref, atol=2e-5, rtol=1e-5)
+    with instrumented(lm.model, "gate", prof.thresholds, predictors=[p.active for p in layers]):
+        ref_sparse = decode_logits(lm.model, ids)
+    sparse = load_packed(out, mode="sparse", with_tokenizer=False).model
+    torch.testing.assert_close(decode_logits(sparse, ids), ref_sparse, atol=5e-5, rtol=1e-5)
+    assert 0.2 < sparse.ffn_stats.active_fraction < 0.8
+
+
+def test_bf16_packed_model_runs_close_to_fp32(relu):
+    path = packed(relu, "all_cpu", placements(relu.hash)["all_cpu"])
+    ids = prompt_ids(relu.lm)
+    ref = decode_logits(load_packed(path, mode="sparse").model, ids)
+    half = decode_logits(load_packed(path, mode="sparse", dtype="bf16").model, ids)
+    assert (half.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
+    assert torch.allclose(half, ref, atol=0.5)
+
+
+def test_corrupt_and_mismatched_packed_models_are_refused(relu, tmp_path):
+    src = packed(relu, "split", placements(relu.hash)["split"])
+    bad = str(tmp_path / "bad")
+
+    def fresh() -> str:
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(src, bad)
+        return bad
+
+    with pytest.raises(PackedModelError, match="not this one"):
+        load_packed(src, model_hash="0" * 32)
+    with open(os.path.join(fresh(), "cpu.safetensors"), "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(PackedModelError, match="truncated"):
+        load_packed(bad)
+    p = os.path.join(fresh(), "gpu.safetensors")
+    data = bytearray(open(p, "rb").read())
+    data[-10] ^= 0xFF
+    open(p, "wb").write(bytes(data))
+    with pytest.raises(PackedModelError, match="corrupt"):
+        load_packed(bad)
+    open(os.path.join(fresh(), "manifest.json"), "w").write("{not json")
+    with pytest.raises(PackedModelError, match="corrupt manifest"):
+        load_packed(bad)
+    with pytest.raises(PackedModelError, match="not a packed model"):
+        load_packed(str(tmp_path))
+    m = json.load(open(os.path.join(fresh(), "manifest.json")))
+    m["args"]["d_model"] = 48
+    json.dump(m, open(os.path.join(bad, "manifest.json"), "w"))
+    with pytest.raises(PackedModelError, match="shape"):
+        load_packed(bad)
+    no_preds = packed(relu, "no-preds", None, predictors=False)
+    with pytest.raises(BadArgumentError, match="without predictors"):
+        load_packed(no_preds, mode="sparse")
+    load_packed(no_preds, mode="oracle")  # fine without predictors
+
+
+def test_pack_refuses_mismatched_inputs_and_never_overwrites(relu, tmp_path):
+    other = make_placement("f" * 32, [[]] * LAYERS)
+    with pytest.raises(BadArgumentError, match="solved for model"):
+        pack_model(relu.path, str(tmp_path / "a"), relu.profile, relu.preds, other)
+    with pytest.raises(BadArgumentError, match="layers"):
+        pack_model(relu.path, str(tmp_path / "a"), relu.profile, relu.preds, make_placement(relu.hash, [[]] * 2))
+    with pytest.raises(BadArgumentError, match="distinct"):
+        pack_model(relu.path, str(tmp_path / "a"), relu.profile, relu.preds, make_placement(relu.hash, [[0, 0]] * 3))
+    short = Predictors(relu.preds.layers[:2], {"model_hash": relu.hash})
+    with pytest.raises(BadArgumentError, match="predictors do not match"):
+        pack_model(relu.path, str(tmp_path / "a"), relu.profile, short)
+    existing = packed(relu, "all_cpu", placements(relu.hash)["all_cpu"])
+    before = os.path.getmtime(os.path.join(existing, "cpu.safetensors"))
+    with pytest.raises(BadArgumentError, match="--force"):
+        pack_model(relu.path, existing, relu.profile, relu.preds)
+    assert os.path.getmtime(os.path.join(existing, "cpu.safetensors")) == before
+
+
+def test_budgets_the_machine_cannot_hold_are_refused(relu, monkeypatch):
+    import powerinfer.engine.packed as pk
+
+    monkeypatch.setattr(pk, "_available_ram", lambda: 1000)
+    with pytest.raises(BadArgumentError, match="GiB are available"):
+        load_packed(packed(relu, "all_cpu", placements(relu.hash)["all_cpu"]))
+    r = run_cli("prepare", "-m", relu.path, "--hardware", "rtx4090", "--vram-budget", "30GiB")
+    assert r.returncode == 2 and "is not within" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_pack_generate_stats_and_prepare_cache(relu, tmp_path, monkeypatch):
+    pl = tmp_path / "placement.json"
+    pl.write_text(json.dumps(placements(relu.hash)["split"]))
+    out = tmp_path / "cli-packed"
+    r = run_cli("pack", "-m", relu.path, "--profile", relu.profile.path, "--predictors", "none", "--placement", str(pl),
+                "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "GPU-tier neurons" in r.stdout
+    r = run_cli("generate", "-m", relu.path, "--packed", str(out), "--mode", "oracle", "-p", "Hi", "-n", "4",
+                "--temperature", "0", "--stats")
+    assert r.returncode == 0, r.stderr
+    assert "engine: oracle, GPU tier on cpu" in r.stdout and "GPU share of neuron load" in r.stdout
+    r = run_cli("generate", "-m", relu.path, "--mode", "sparse", "-p", "Hi")
+    assert r.returncode == 2 and "has not been prepared" in r.stderr
+    r = run_cli("generate", "--packed", str(tmp_path / "nowhere"), "-p", "Hi")
+    assert r.returncode == 2 and "no such packed model" in r.stderr and "Traceback" not in r.stderr
+    # prepare: the whole pipeline, then a second run that reuses everything
+    r = run_cli("prepare", "-m", relu.path, "--prompts", "8", "--heldout", "2", "--max-tokens", "32",
+                "--target-sparsity", "0.3")
+    assert r.returncode == 0, r.stderr
+    assert "prepared:" in r.stdout and "no GPU" in r.stderr
+    r = run_cli("prepare", "-m", relu.path, "--prompts", "8", "--heldout", "2", "--max-tokens", "32",
+                "--target-sparsity", "0.3")
+    assert r.returncode == 0 and "up to date" in r.stderr and "profiling" not in r.stderr
+    r = run_cli("generate", "-m", relu.path, "-p", "Hi", "-n", "4", "--temperature", "0", "--stats")
+    assert r.returncode == 0, r.stderr
+    assert "engine: sparse" in r.stdout
+    r = run_cli("generate", "-m", relu.path, "-p", "Hi", "-n", "4", "--temperature", "0", "--stats", "--mode", "dense")
+    assert r.returncode == 0 and "engine: dense" in r.stdout

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 
-TARGETS = {"ops": ("powerinfer.bench.ops", "sparse operators vs dense GEMV and index_select")}
+TARGETS = {"ops": ("powerinfer.bench.ops", "sparse operators vs dense GEMV and index_select"),
+           "e2e": ("powerinfer.bench.e2e", "decode speed and quality: dense, sparse, oracle, transformers"),
+           "relu7b": ("powerinfer.bench.relu7b", "ReluLLaMA-7B-shaped planted model: dense vs sparse vs the bandwidth bound")}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -191,6 +191,11 @@ def _profile_hash(profile: Profile) -> str | None:
 def _save_tokenizer(model_path: str, eos: list[int], out: str) -> None:
     from ..tokenizer import load_tokenizer
 
-    tok = load_tokenizer(model_path, eos)
+    from ..errors import PowerInferError
+
+    try:
+        tok = load_tokenizer(model_path, eos)
+    except PowerInferError:  # a model without a usable tokenizer still packs (token ids only)
+        tok = None
     if tok is not None:
         tok.hf.save_pretrained(out)

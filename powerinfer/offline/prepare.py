@@ -87,6 +87,7 @@ def prepare(model_path: str | None, s: PrepareSettings, lm=None) -> str:
     _log(f"packing into {packed_dir}")
     manifest = pack_model(path, packed_dir, profile, predictors, placement, s.dtype, force=True)
     manifest["prepare_request"] = request
+    manifest["placement"]["hardware"] = hw.name
     with open(os.path.join(packed_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     return packed_dir

@@ -169,15 +169,19 @@ def gated_ffn(w_gate, w_up, wt_down, x, idx, act_id, up_act_id, criterion, thres
     for c in prange(n_chunks):
         rows = np.empty(AXPY_BLOCK, dtype=np.int64)
         coefs = np.empty(AXPY_BLOCK, dtype=np.float32)
+        ups = np.empty(ROW_BLOCK, dtype=np.float32)
         lo, hi = c * k // n_chunks, (c + 1) * k // n_chunks
         for k0 in range(lo, hi, ROW_BLOCK):
             k1 = min(k0 + ROW_BLOCK, hi)
-            if k1 - k0 == ROW_BLOCK:
+            full = k1 - k0 == ROW_BLOCK
+            if full:
                 for i in range(ROW_BLOCK):
                     rows[i] = np.int64(idx[k0 + i])
             for t in range(T):
-                if k1 - k0 == ROW_BLOCK:
+                if full:
                     _dot8(w_gate, rows, x, t, h[t, k0:k1])
+                    if criterion != 1:  # every up row is read anyway: eight at a time
+                        _dot8(w_up, rows, x, t, ups)
                 else:
                     for kk in range(k0, k1):
                         h[t, kk] = _dot1(w_gate, np.int64(idx[kk]), x, t)
@@ -186,7 +190,10 @@ def gated_ffn(w_gate, w_up, wt_down, x, idx, act_id, up_act_id, criterion, thres
                     if criterion == 1 and abs(a) <= threshold:
                         h[t, kk] = 0.0
                         continue
-                    u = _dot1(w_up, np.int64(idx[kk]), x, t)
+                    if full and criterion != 1:
+                        u = ups[kk - k0]
+                    else:
+                        u = _dot1(w_up, np.int64(idx[kk]), x, t)
                     if up_act_id >= 0:
                         u = _act(u, up_act_id)
                     v = a * u

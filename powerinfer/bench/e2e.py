@@ -1,0 +1,172 @@
+"""End-to-end decode speed and quality: dense, sparse and oracle engines and transformers.
+
+    powerinfer bench e2e [-m MODEL] [--dtype bf16] [--outputs 128,512] [--per-group 1] [-o results.json]
+
+ShareGPT prompts (first user turn, through the chat template) grouped by input length
+(short < 64 tokens, medium 64-255, long 256-1023), as the paper evaluates; for each group
+and output length every engine decodes greedily the same prompts (EOS ignored, so all make
+the same number of tokens), engines alternating prompt by prompt. Quality is measured on
+the profile's held-out prompts (`train --eval`'s method): perplexity and 128-token greedy
+agreement of dense, oracle and predicted (= what the sparse engine computes) variants.
+The model must have been prepared (`powerinfer prepare`), or it is prepared first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+GROUPS = {"short": (8, 64), "medium": (64, 256), "long": (256, 1024)}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default=None, help="model (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="weight dtype (default bf16)")
+    p.add_argument("--outputs", default="128,512", help="output lengths (default 128,512)")
+    p.add_argument("--per-group", type=int, default=1, help="prompts per input-length group (default 1)")
+    p.add_argument("--engines", default="dense,sparse,oracle,transformers")
+    p.add_argument("--quality-prompts", type=int, default=16, help="held-out prompts for perplexity (0 = skip)")
+    p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("-o", "--output", default=None, help="also write the results as JSON here")
+
+
+def grouped_prompts(tokenizer, per_group: int) -> dict[str, list[list[int]]]:
+    from ..data import load_prompts
+
+    out: dict[str, list[list[int]]] = {g: [] for g in GROUPS}
+    for p in load_prompts("sharegpt")[1000:]:  # away from the profile's usual picks
+        ids = tokenizer.encode_chat([{"role": "user", "content": p.text}])
+        for g, (lo, hi) in GROUPS.items():
+            if lo <= len(ids) < hi and len(out[g]) < per_group:
+                out[g].append(ids)
+        if all(len(v) >= per_group for v in out.values()):
+            break
+    return out
+
+
+def ours_decode(model, ids: list[int], n: int) -> float:
+    from ..engine.generate import prefill
+
+    cache = model.new_cache(len(ids) + n + 1)
+    logits = prefill(model, torch.tensor(ids), cache)
+    step = torch.empty(1, dtype=torch.long)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step[0] = int(logits.argmax())
+        logits = model.forward(step, cache)
+    return n / (time.perf_counter() - t0)
+
+
+def hf_decode(hf, ids: list[int], n: int) -> float:
+    x = torch.tensor([ids])
+    kw = dict(attention_mask=torch.ones_like(x), do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        hf.generate(x, max_new_tokens=1, min_new_tokens=1, **kw)
+        t1 = time.perf_counter()
+        hf.generate(x, max_new_tokens=n + 1, min_new_tokens=n + 1, **kw)
+        t2 = time.perf_counter()
+    return n / ((t2 - t1) - (t1 - t0))
+
+
+def load_transformers(path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    if os.path.isfile(path):
+        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return hf.eval()
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..engine.packed import load_packed
+    from ..errors import BadArgumentError
+    from ..loader import DTYPES, load
+    from ..offline.prepare import PrepareSettings, prepare
+
+    outputs = [int(x) for x in args.outputs.split(",") if x.strip()]
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = set(engines) - {"dense", "sparse", "oracle", "transformers"}
+    if unknown or not outputs or args.per_group < 1:
+        raise BadArgumentError(f"bad --engines/--outputs/--per-group ({', '.join(sorted(unknown))})")
+    torch.set_num_threads(args.threads)
+    packed_dir = prepare(args.model, PrepareSettings())
+    dense = load(args.model, dtype=args.dtype, threads=args.threads)
+    models = {"dense": dense.model}
+    for mode in ("sparse", "oracle"):
+        if mode in engines:
+            models[mode] = load_packed(packed_dir, mode=mode, dtype=args.dtype, threads=args.threads).model
+    hf = load_transformers(dense.path, DTYPES[args.dtype]) if "transformers" in engines else None
+    prompts = grouped_prompts(dense.tokenizer, args.per_group)
+    for m in models.values():  # warm-up: numba compilation, allocator
+        ours_decode(m, prompts["short"][0], 4)
+    if hf is not None:
+        hf_decode(hf, prompts["short"][0], 4)
+    results = {"model": dense.path, "dtype": args.dtype, "threads": args.threads, "groups": {}}
+    active = []
+    for g, plist in prompts.items():
+        for n in outputs:
+            speeds: dict[str, list[float]] = {e: [] for e in engines}
+            for ids in plist:
+                for e in engines:
+                    if e == "transformers":
+                        speeds[e].append(hf_decode(hf, ids, n))
+                    else:
+                        if e == "sparse":
+                            models[e].ffn_stats.reset()
+                        speeds[e].append(ours_decode(models[e], ids, n))
+                        if e == "sparse":
+                            active.append(models[e].ffn_stats.active_fraction)
+            row = {e: statistics.median(v) for e, v in speeds.items()}
+            row["input_tokens"] = [len(i) for i in plist]
+            results["groups"][f"{g}/{n}"] = row
+            print(f"{g:>6} input, {n} output: " + ", ".join(f"{e} {row[e]:.1f}" for e in engines) + " tok/s",
+                  file=sys.stderr, flush=True)
+    results["sparse_active_fraction"] = statistics.mean(active) if active else None
+    if args.quality_prompts > 0:
+        from ..offline.evaluate import evaluate_predictors
+        from ..offline.stats import Profile
+        from ..offline.train import Predictors
+        from ..paths import content_hash, model_cache_dir
+
+        cache = model_cache_dir(content_hash(dense.path))
+        prof = Profile.load(str(cache / "profile"))
+        preds = Predictors.load(str(cache / "predictors"))
+        q = evaluate_predictors(dense, prof, preds, args.quality_prompts)
+        results["quality"] = {"perplexity": q["perplexity"], "greedy_agreement": q["greedy_agreement"],
+                              "prompts": q["prompts"], "tokens": q["tokens"]}
+    print(format_results(results, engines))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+def format_results(r: dict, engines: list[str]) -> str:
+    lines = [f"model {r['model']}, {r['dtype']} weights, {r['threads']} threads; decode tok/s (median over prompts)", "",
+             "| input / output | " + " | ".join(engines) + " | sparse vs dense | sparse vs transformers |",
+             "|---|" + "---|" * (len(engines) + 2)]
+    for key, row in r["groups"].items():
+        vs_d = row["sparse"] / row["dense"] if "sparse" in row and "dense" in row else float("nan")
+        vs_t = row["sparse"] / row["transformers"] if "sparse" in row and "transformers" in row else float("nan")
+        lines.append(f"| {key} ({'/'.join(map(str, row['input_tokens']))} in) | "
+                     + " | ".join(f"{row[e]:.1f}" for e in engines) + f" | {vs_d:.2f}x | {vs_t:.2f}x |")
+    if r.get("sparse_active_fraction") is not None:
+        lines.append(f"\nsparse engine: {r['sparse_active_fraction']:.3f} of FFN neurons computed per decode token")
+    if "quality" in r:
+        q = r["quality"]
+        ppl, ag = q["perplexity"], q["greedy_agreement"]
+        lines.append(f"held-out ({q['prompts']} prompts, {q['tokens']} tokens): perplexity dense {ppl['dense']:.3f}, "
+                     f"oracle {ppl['oracle']:.3f} ({ppl['oracle'] / ppl['dense'] - 1:+.1%}), sparse "
+                     f"{ppl['predicted']:.3f} ({ppl['predicted'] / ppl['dense'] - 1:+.1%}); 128-token greedy agreement "
+                     f"oracle {ag['oracle']:.3f}, sparse {ag['predicted']:.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,193 @@
+"""A ReluLLaMA-7B-shaped model with random weights and a planted power-law activation
+pattern: decode tok/s dense vs sparse on the CPU, next to the memory-bandwidth bound.
+
+    powerinfer bench relu7b [--layers 8] [--sparsity 0.9] [--dtype fp16] [--tokens 32] [--dir DIR]
+
+Shape: d 4096, FFN 11008, 32 heads (ReluLLaMA-7B); `--layers` of them (default 8, so the
+weights fit this machine's RAM several times over while the working set is still ~100x the
+last-level cache). The model is written as an F16 GGUF file of the llama architecture, with
+SmolLM2's tokenizer embedded, so other GGUF engines load the very same file (they run it as
+a SiLU model; the speed comparison does not depend on the activation).
+
+Planted pattern: each layer's neuron firing rates follow a power law with the given mean
+sparsity (offline/synthetic.py, 20% of neurons carry 80% of activations); the predictors
+are planted to select each neuron with its rate (a per-neuron bias plus input-dependent
+noise standardised on real hidden states), so about 10% of neurons are computed per token
+and the set changes from token to token. The bound is this machine's read bandwidth,
+measured in the same run, over the bytes a token must read: all attention weights and the
+LM head, the predictors, and the active neurons' gate, up and down rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+D, N_FF, HEADS = 4096, 11008, 32
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layers", type=int, default=8, help="decoder layers (default 8; ReluLLaMA-7B has 32)")
+    p.add_argument("--sparsity", type=float, default=0.9, help="mean share of inactive neurons (default 0.9)")
+    p.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16", help="weight dtype in RAM (default fp16)")
+    p.add_argument("--tokens", type=int, default=32, help="decode tokens per round (default 32)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rank", type=int, default=16, help="predictor rank (default 16)")
+    p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("--dir", default=None, help="where to write the GGUF and packed model (default: a temp dir)")
+
+
+def write_gguf(path: str, n_layers: int, seed: int = 0) -> None:
+    """Random F16 llama-architecture GGUF with SmolLM2's tokenizer metadata."""
+    import gguf
+
+    from ..paths import default_model_path
+
+    src = gguf.GGUFReader(default_model_path())
+    vocab = len(src.fields["tokenizer.ggml.tokens"].contents())
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("relullama-7b-shaped-random")
+    w.add_block_count(n_layers)
+    w.add_context_length(2048)
+    w.add_embedding_length(D)
+    w.add_feed_forward_length(N_FF)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    for key, field in src.fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float) -> np.ndarray:
+        return (torch.randn(*shape, generator=g) * scale).half().numpy()
+
+    w.add_tensor("token_embd.weight", rand(vocab, D, scale=0.02))
+    w.add_tensor("output_norm.weight", np.ones(D, dtype=np.float32))
+    w.add_tensor("output.weight", rand(vocab, D, scale=0.02))
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(D, dtype=np.float32))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(D, dtype=np.float32))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            w.add_tensor(p + name + ".weight", rand(D, D, scale=D**-0.5))
+        w.add_tensor(p + "ffn_gate.weight", rand(N_FF, D, scale=D**-0.5))
+        w.add_tensor(p + "ffn_up.weight", rand(N_FF, D, scale=D**-0.5))
+        w.add_tensor(p + "ffn_down.weight", rand(D, N_FF, scale=0.1 * N_FF**-0.5))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=True)
+    w.close()
+
+
+def ffn_inputs(model, n_tokens: int = 48) -> list[torch.Tensor]:
+    """Each layer's FFN inputs along a greedy decode like the benchmark's (to standardise the
+    planted predictors on the hidden states they will see)."""
+    from ..offline.profile import instrumented
+
+    xs: list[list[torch.Tensor]] = [[] for _ in model.layers]
+
+    def obs(i):
+        return lambda x, score: xs[i].append(x.clone())
+
+    with instrumented(model, "gate_up", observers=[obs(i) for i in range(len(model.layers))]):
+        decode_speed(model, n_tokens)
+    return [torch.cat(x) for x in xs]
+
+
+def planted_predictors(profile, xs: list[torch.Tensor], rank: int, model_hash: str):
+    """Predictors whose logit for neuron i exceeds 0 with probability ~ its profiled rate."""
+    from scipy.stats import norm
+
+    from ..offline.train import LayerPredictor, Predictors
+
+    g = torch.Generator().manual_seed(2)
+    layers = []
+    for st, x in zip(profile.layers, xs):
+        w1 = torch.randn(rank, D, generator=g) / D**0.5
+        b1 = torch.zeros(rank)
+        h = torch.relu(x @ w1.t())
+        w2 = torch.randn(N_FF, rank, generator=g)
+        z = h @ w2.t()
+        mu, sd = z.mean(0), z.std(0).clamp_min(1e-6)
+        w2 = w2 / sd[:, None]
+        rate = np.clip(st.counts / st.tokens, 1e-4, 1 - 1e-4)
+        b2 = torch.from_numpy(norm.ppf(rate).astype(np.float32)) - mu / sd
+        layers.append(LayerPredictor(w1, b1, w2, b2, 0.0, 1.0, 1.0, float(1 - rate.mean()), float(1 - rate.mean()), {}))
+    return Predictors(layers, {"model_hash": model_hash})
+
+
+def decode_speed(model, n: int) -> float:
+    cache = model.new_cache(n + 8)
+    model.forward(torch.arange(1, 5), cache)
+    step = torch.tensor([7])
+    t0 = time.perf_counter()
+    for _ in range(n):
+        logits = model.forward(step, cache)
+        step[0] = int(logits.argmax())
+    return n / (time.perf_counter() - t0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..engine.packed import load_packed
+    from ..loader import load
+    from ..offline.pack import pack_model
+    from ..offline.synthetic import synthetic_profile
+    from ..paths import content_hash
+    from .timing import memory_read_bandwidth
+
+    torch.set_num_threads(args.threads)
+    root = args.dir or tempfile.mkdtemp(prefix="relu7b-")
+    os.makedirs(root, exist_ok=True)
+    gguf_path = os.path.join(root, f"relullama-7b-shaped-{args.layers}l.f16.gguf")
+    if not os.path.isfile(gguf_path):
+        print(f"writing {gguf_path}", file=sys.stderr)
+        write_gguf(gguf_path, args.layers)
+    model_hash = content_hash(gguf_path)
+    dense = load(gguf_path, dtype=args.dtype, threads=args.threads, with_tokenizer=False)
+    profile = synthetic_profile(args.layers, N_FF, sparsity=args.sparsity)
+    profile.manifest.update(model={"hash": model_hash}, criterion="gate_up")
+    profile.save(os.path.join(root, "profile"))
+    packed_dir = os.path.join(root, "packed")
+    preds = planted_predictors(profile, ffn_inputs(dense.model), args.rank, model_hash)
+    pack_model(gguf_path, packed_dir, profile, preds, None, args.dtype, force=True)
+    gc.collect()
+    sparse = load_packed(packed_dir, mode="sparse", dtype=args.dtype, threads=args.threads, with_tokenizer=False).model
+    decode_speed(dense.model, 2), decode_speed(sparse, 2)  # warm-up
+    bandwidth = memory_read_bandwidth()
+    d_speeds, s_speeds, active = [], [], []
+    for _ in range(args.rounds):
+        d_speeds.append(decode_speed(dense.model, args.tokens))
+        sparse.ffn_stats.reset()
+        s_speeds.append(decode_speed(sparse, args.tokens))
+        active.append(sparse.ffn_stats.active_fraction)
+    el = 2
+    attn = args.layers * 4 * D * D * el
+    head = dense.model.lm_head.weight.numel() * el
+    pred = sum(p.n_params for p in preds.layers) * 4
+    frac = statistics.mean(active)
+    sparse_bytes = attn + head + pred + frac * args.layers * N_FF * 3 * D * el
+    dense_bytes = attn + head + args.layers * N_FF * 3 * D * el
+    d, s = statistics.median(d_speeds), statistics.median(s_speeds)
+    bound = bandwidth / sparse_bytes
+    print(f"\nReluLLaMA-7B-shaped, {args.layers} layers, {args.dtype}, {args.threads} threads; planted mean sparsity "
+          f"{args.sparsity}; {frac:.3f} of FFN neurons computed per token; bandwidth {bandwidth / 1e9:.1f} GB/s; "
+          f"median of {args.rounds} rounds x {args.tokens} tokens\n")
+    print("| engine | decode tok/s | bytes/token | bound tok/s | share of bound |\n|---|---|---|---|---|")
+    print(f"| dense | {d:.2f} | {dense_bytes / 1e9:.2f} GB | {bandwidth / dense_bytes:.2f} | "
+          f"{d / (bandwidth / dense_bytes):.0%} |")
+    print(f"| sparse | {s:.2f} | {sparse_bytes / 1e9:.2f} GB | {bound:.2f} | {s / bound:.0%} |")
+    print(f"\nsparse / dense: {s / d:.2f}x; GGUF for other engines: {gguf_path}")
+    return 0

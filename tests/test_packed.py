@@ -325,8 +325,17 @@ def test_cli_pack_generate_stats_and_prepare_cache(relu, tmp_path, monkeypatch):
     r = run_cli("prepare", "-m", relu.path, "--prompts", "8", "--heldout", "2", "--max-tokens", "32",
                 "--target-sparsity", "0.3")
     assert r.returncode == 0 and "up to date" in r.stderr and "profiling" not in r.stderr
+    from powerinfer.engine.packed import read_manifest
+    from powerinfer.offline.prepare import default_packed_dir
+
+    check = read_manifest(default_packed_dir(relu.hash))["check"]
+    assert check["auto_mode"] in ("sparse", "dense") and set(check["tokens_per_s"]) == {"dense", "sparse"}
     r = run_cli("generate", "-m", relu.path, "-p", "Hi", "-n", "4", "--temperature", "0", "--stats")
     assert r.returncode == 0, r.stderr
-    assert "engine: sparse" in r.stdout
+    assert f"engine: {check['auto_mode']}" in r.stdout  # what prepare measured to be better
+    if check["auto_mode"] == "dense":
+        assert "using dense" in r.stderr
+    r = run_cli("generate", "-m", relu.path, "-p", "Hi", "-n", "4", "--temperature", "0", "--stats", "--mode", "sparse")
+    assert r.returncode == 0 and "engine: sparse" in r.stdout
     r = run_cli("generate", "-m", relu.path, "-p", "Hi", "-n", "4", "--temperature", "0", "--stats", "--mode", "dense")
     assert r.returncode == 0 and "engine: dense" in r.stdout

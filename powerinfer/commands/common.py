@@ -48,7 +48,10 @@ def load_from_args(args: argparse.Namespace) -> LoadedModel:
     mode = getattr(args, "mode", "dense")
     packed = getattr(args, "packed", None)
     if mode != "dense" or packed:
+        explicit = packed is not None
         packed = packed or _prepared_dir(args.model, required=mode != "auto")
+        if packed and mode == "auto" and not explicit:
+            packed = _auto_choice(packed)
         if packed:
             from ..engine.packed import load_packed
             from ..paths import content_hash
@@ -60,6 +63,23 @@ def load_from_args(args: argparse.Namespace) -> LoadedModel:
                                gpu_device=args.gpu_device, model_hash=model_hash)
     print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
     return load(args.model, dtype=args.dtype, threads=args.threads)
+
+
+def _auto_choice(packed: str) -> str | None:
+    """The prepared model, unless `prepare` measured the sparse engine to be slower or worse
+    than dense on this machine (then None: the dense engine)."""
+    from ..engine.packed import read_manifest
+
+    check = read_manifest(packed).get("check") or {}
+    if check.get("auto_mode", "sparse") == "sparse":
+        return packed
+    tps, ppl = check.get("tokens_per_s", {}), check.get("perplexity", {})
+    why = f"sparse decode {tps.get('sparse', 0):.1f} vs dense {tps.get('dense', 0):.1f} tok/s"
+    if ppl:
+        why += f", held-out perplexity {ppl.get('sparse', 0):.2f} vs {ppl.get('dense', 0):.2f}"
+    print(f"note: prepare measured the sparse engine no better than dense here ({why}); using dense "
+          "(--mode sparse forces it)", file=sys.stderr)
+    return None
 
 
 def _prepared_dir(model: str | None, required: bool) -> str | None:

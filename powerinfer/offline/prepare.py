@@ -88,9 +88,54 @@ def prepare(model_path: str | None, s: PrepareSettings, lm=None) -> str:
     manifest = pack_model(path, packed_dir, profile, predictors, placement, s.dtype, force=True)
     manifest["prepare_request"] = request
     manifest["placement"]["hardware"] = hw.name
+    manifest["check"] = check_sparse(lm, packed_dir, profile, predictors, s)
     with open(os.path.join(packed_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     return packed_dir
+
+
+QUALITY_SLACK = 0.02  # sparse may cost this much held-out perplexity over dense and still be the default
+
+
+def check_sparse(lm, packed_dir: str, profile: Profile, predictors, s: PrepareSettings) -> dict:
+    """Measure what `--mode auto` should pick: the sparse engine only when it decodes faster
+    than the dense one here and its held-out perplexity is within QUALITY_SLACK of dense."""
+    import time
+
+    import torch
+
+    from ..engine.packed import load_packed
+    from .evaluate import heldout_texts
+    from .profile import instrumented, perplexity, tokenize
+
+    _log("checking the sparse engine's speed and quality against dense")
+    texts = heldout_texts(profile, 16) if s.heldout else []
+    ppl = {}
+    if texts:
+        tokens = tokenize(lm, texts, s.max_tokens)
+        ppl["dense"] = perplexity(lm.model, tokens, "dense ppl")
+        with instrumented(lm.model, profile.criterion, profile.thresholds,
+                          predictors=[p.active for p in predictors.layers]):
+            ppl["sparse"] = perplexity(lm.model, tokens, "sparse ppl")
+    sparse = load_packed(packed_dir, mode="sparse", dtype=s.dtype, with_tokenizer=False).model
+
+    def speed(model, n: int = 32) -> float:
+        cache = model.new_cache(n + 8)
+        model.forward(torch.arange(1, 5), cache)
+        step = torch.tensor([1])
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step[0] = int(model.forward(step, cache).argmax())
+        return n / (time.perf_counter() - t0)
+
+    speed(lm.model, 4), speed(sparse, 4)  # compile and warm up
+    tps = {"dense": max(speed(lm.model) for _ in range(2)), "sparse": max(speed(sparse) for _ in range(2))}
+    good = not ppl or ppl["sparse"] <= ppl["dense"] * (1 + QUALITY_SLACK)
+    mode = "sparse" if good and tps["sparse"] > tps["dense"] else "dense"
+    _log(f"decode {tps['sparse']:.1f} tok/s sparse vs {tps['dense']:.1f} dense ({s.dtype})"
+         + (f"; held-out perplexity {ppl['sparse']:.3f} sparse vs {ppl['dense']:.3f} dense" if ppl else "")
+         + f"; --mode auto will use {mode}")
+    return {"tokens_per_s": tps, "perplexity": ppl, "auto_mode": mode, "quality_slack": QUALITY_SLACK}
 
 
 def _packed_is_current(packed_dir: str, model_hash: str, cache, request: dict) -> bool:
@@ -102,7 +147,7 @@ def _packed_is_current(packed_dir: str, model_hash: str, cache, request: dict) -
         stats = cache / "profile" / "stats.safetensors"
         return (m.get("source", {}).get("hash") == model_hash and m.get("prepare_request") == request
                 and stats.is_file() and m.get("profile_hash") == file_hash(str(stats))
-                and m.get("predictors") is not None)
+                and m.get("predictors") is not None and m.get("check") is not None)
     except (OSError, ValueError):
         return False
 

@@ -120,7 +120,7 @@ def _axpy_block(wt, rows, coefs, n, acc_row):
                 acc_row[j] += s * widen(wt[r, j])
 
 
-@njit(fastmath=True, cache=True)
+@njit(inline="always", fastmath=True)
 def _axpy_nonzero(wt, r, s, acc_row, rows, coefs, n):
     """Queue row r with coefficient s (skipped when 0); flush full blocks. Returns the new n."""
     if s == 0.0:

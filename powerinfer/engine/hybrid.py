@@ -139,15 +139,14 @@ class HybridFFN:
 
     # -- the public protocol ------------------------------------------------------------
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        base = residual  # what the tiers' outputs are added to: the residual and the output bias
+        if self.b_out is not None:
+            base = self.b_out.expand(x.shape[0], -1) if base is None else base + self.b_out
         if x.shape[0] == 1 and self.mode == "sparse":
             gpu_idx, cpu_idx = self.split(self.predictor.active(x))
-            out = self.run_tiers(x, gpu_idx, cpu_idx, self.criterion_id, record=True)
-        else:
-            criterion = self.criterion_id if self.mode == "oracle" else 0
-            out = self.run_tiers(x, None, None, criterion, record=x.shape[0] == 1)
-        if self.b_out is not None:
-            out = out + self.b_out
-        return out if residual is None else out + residual
+            return self.run_tiers(x, gpu_idx, cpu_idx, self.criterion_id, record=True, base=base)
+        criterion = self.criterion_id if self.mode == "oracle" else 0
+        return self.run_tiers(x, None, None, criterion, record=x.shape[0] == 1, base=base)
 
     def tensors(self) -> list[torch.Tensor]:
         extra = [] if self.predictor is None else self.predictor.tensors()
@@ -160,8 +159,9 @@ class HybridFFN:
         return packed_idx[:cut], packed_idx[cut:] - self.gpu.n
 
     def run_tiers(self, x: torch.Tensor, gpu_idx: torch.Tensor | None, cpu_idx: torch.Tensor | None,
-                  criterion: int, record: bool = False) -> torch.Tensor:
-        """Sum of both tiers' FFN outputs over the given rows (None = all rows)."""
+                  criterion: int, record: bool = False, base: torch.Tensor | None = None) -> torch.Tensor:
+        """base + both tiers' FFN outputs over the given rows (None = all rows). The CPU tier
+        accumulates straight into a copy of `base`, so the residual add costs no extra pass."""
         run_gpu = self.gpu.n > 0 and (gpu_idx is None or gpu_idx.numel() > 0)
         run_cpu = self.cpu.n > 0 and (cpu_idx is None or cpu_idx.numel() > 0)
         if record:
@@ -177,49 +177,51 @@ class HybridFFN:
                 future = self.executor.submit(self.tier_output, self.gpu, x, gpu_idx, criterion)
             else:
                 gpu_out = self.tier_output(self.gpu, x, gpu_idx, criterion)
-        cpu_out = self.tier_output(self.cpu, x, cpu_idx, criterion) if run_cpu else None
+        out = self.tier_output(self.cpu, x, cpu_idx, criterion, base) if run_cpu else None
         if future is not None:
             gpu_out = future.result()
-        if gpu_out is None and cpu_out is None:
-            return torch.zeros(x.shape[0], self.out_features, dtype=torch.float32)
-        if gpu_out is None:
-            return cpu_out
-        if cpu_out is None:
-            return gpu_out
-        return cpu_out.add_(gpu_out)
+        if out is None:
+            out = torch.zeros(x.shape[0], self.out_features, dtype=torch.float32) if base is None else base.clone(memory_format=torch.contiguous_format)
+        return out if gpu_out is None else out.add_(gpu_out)
 
     @property
     def out_features(self) -> int:
         return int(self.cpu.wt_down.shape[1])
 
-    def tier_output(self, tier: Tier, x: torch.Tensor, idx: torch.Tensor | None, criterion: int) -> torch.Tensor:
-        """One tier's FFN output (T, d_out) on the CPU, over rows `idx` (None = all)."""
+    def tier_output(self, tier: Tier, x: torch.Tensor, idx: torch.Tensor | None, criterion: int,
+                    base: torch.Tensor | None = None) -> torch.Tensor:
+        """One tier's FFN output (T, d_out) on the CPU, over rows `idx` (None = all), plus `base`."""
         if tier.numba and x.shape[0] <= 4:
-            return self._numba_tier(tier, x, tier.all_rows if idx is None else idx, criterion)
+            return self._numba_tier(tier, x, tier.all_rows if idx is None else idx, criterion, base)
         xd = x.to(tier.device, non_blocking=True)
         if idx is None:
             out = self._torch_dense(tier, xd, criterion)
         else:
             out = self._torch_sparse(tier, xd, idx.to(tier.device, non_blocking=True), criterion)
-        return out.to("cpu")
+        out = out.to("cpu")
+        return out if base is None else out.add_(base)
 
-    def _numba_tier(self, tier: Tier, x: torch.Tensor, idx: torch.Tensor, criterion: int) -> torch.Tensor:
+    def _numba_tier(self, tier: Tier, x: torch.Tensor, idx: torch.Tensor, criterion: int,
+                    base: torch.Tensor | None) -> torch.Tensor:
         wg, wu, b_in, wd = tier._np
         x_np = x.contiguous().numpy()
         idx_np = idx.numpy()
-        out = np.zeros((x.shape[0], wd.shape[1]), dtype=np.float32)
+        if base is None:
+            out = np.zeros((x.shape[0], wd.shape[1]), dtype=np.float32)
+        else:
+            out = np.array(base.numpy(), dtype=np.float32, order="C")  # a copy: base is the caller's
         chunks = sparse_cpu.default_chunks()
         if self.gated:
             h = np.empty((x.shape[0], idx_np.shape[0]), dtype=np.float32)
             sparse_cpu.gated_ffn(wg, wu, wd, x_np, idx_np, self.act_id, self.up_act_id, criterion,
-                                 np.float32(self.threshold), chunks, h, out, False)
+                                 np.float32(self.threshold), chunks, h, out, True)
         else:
             a = np.empty((x.shape[0], idx_np.shape[0]), dtype=np.float32)
             # an empty index array means "all rows" to row_gemv, which is what idx holds then
             sparse_cpu.row_gemv(wg, x_np, idx_np if idx_np.shape[0] < tier.n else _ALL, b_in, self.act_id, a)
             if criterion:
                 a[np.abs(a) <= self.threshold] = 0.0
-            sparse_cpu.col_axpy(wd, a, idx_np, chunks, out, False)
+            sparse_cpu.col_axpy(wd, a, idx_np, chunks, out, True)
         return torch.from_numpy(out)
 
     def _values(self, g: torch.Tensor, u: torch.Tensor | None, criterion: int) -> torch.Tensor:
@@ -251,6 +253,7 @@ class HybridFFN:
 
 
 _ALL = np.zeros(0, dtype=np.int64)
+SMALL_PREDICTOR = 1 << 17  # parameters up to which one serial call beats the parallel kernels
 
 
 class Predictor:
@@ -266,6 +269,7 @@ class Predictor:
             self._hidden = np.empty((1, self.w1.shape[0]), dtype=np.float32)
             self._logits = np.empty((1, self.w2.shape[0]), dtype=np.float32)
             self._thr = np.array([self.threshold], dtype=np.float32)
+            self._small = self.w1.numel() + self.w2.numel() <= SMALL_PREDICTOR
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return gpu.predictor_logits(self.w1, self.b1, self.w2, self.b2, x.to(self.device)).cpu()
@@ -276,6 +280,9 @@ class Predictor:
             return gpu.threshold_to_index(self.logits(x).to(self.device), torch.tensor(self.threshold)).cpu()
         w1, b1, w2, b2 = self._np
         x_np = x.contiguous().numpy()
+        if self._small:
+            return torch.from_numpy(sparse_cpu.predict_active_small(w1, b1, w2, b2, x_np[0], np.float32(self.threshold),
+                                                                    self._hidden[0], self._logits[0], _ALL))
         sparse_cpu.row_gemv(w1, x_np, _ALL, b1, cpu.ACT_IDS["relu"], self._hidden)
         sparse_cpu.row_gemv(w2, self._hidden, _ALL, b2, -1, self._logits)
         return torch.from_numpy(sparse_cpu.threshold_to_index(self._logits, self._thr, _ALL))

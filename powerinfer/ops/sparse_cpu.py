@@ -165,6 +165,10 @@ def gated_ffn(w_gate, w_up, wt_down, x, idx, act_id, up_act_id, criterion, thres
     T = x.shape[0]
     k = idx.shape[0]
     d_out = wt_down.shape[1]
+    # Dense-ish sets have mostly adjacent rows: reading them one after another is one long
+    # sequential stream, which beats eight interleaved short ones (measured at SmolLM2's
+    # shape: all rows 218 vs 302 us, 66% about equal, 30% 153 vs 129 us in favour of eight).
+    sequential = 2 * k >= w_gate.shape[0]
     acc = np.zeros((n_chunks, T, d_out), dtype=np.float32)
     for c in prange(n_chunks):
         rows = np.empty(AXPY_BLOCK, dtype=np.int64)
@@ -173,7 +177,7 @@ def gated_ffn(w_gate, w_up, wt_down, x, idx, act_id, up_act_id, criterion, thres
         lo, hi = c * k // n_chunks, (c + 1) * k // n_chunks
         for k0 in range(lo, hi, ROW_BLOCK):
             k1 = min(k0 + ROW_BLOCK, hi)
-            full = k1 - k0 == ROW_BLOCK
+            full = k1 - k0 == ROW_BLOCK and not sequential
             if full:
                 for i in range(ROW_BLOCK):
                     rows[i] = np.int64(idx[k0 + i])
@@ -248,3 +252,32 @@ def check_indices(idx, n):
 
 def default_chunks() -> int:
     return numba.get_num_threads()
+
+
+@njit(fastmath=True, cache=True)
+def predict_active_small(w1, b1, w2, b2, x, threshold, hidden, logits, out_dtype_probe):
+    """Sorted indices with W2 relu(W1 x + b1) + b2 > threshold, for one token, in one serial
+    call: for small predictors the parallel launches and allocations of the general path
+    cost more than the arithmetic (SmolLM2: ~17k multiply-adds per layer)."""
+    r, d = w1.shape
+    for i in range(r):
+        acc = b1[i]
+        for j in range(d):
+            acc += w1[i, j] * x[j]
+        hidden[i] = acc if acc > 0 else np.float32(0.0)
+    n = w2.shape[0]
+    count = 0
+    for i in range(n):
+        acc = b2[i]
+        for j in range(r):
+            acc += w2[i, j] * hidden[j]
+        logits[i] = acc
+        if acc > threshold:
+            count += 1
+    out = np.empty(count, dtype=out_dtype_probe.dtype)
+    p = 0
+    for i in range(n):
+        if logits[i] > threshold:
+            out[p] = i
+            p += 1
+    return out

@@ -339,3 +339,34 @@ def test_cli_pack_generate_stats_and_prepare_cache(relu, tmp_path, monkeypatch):
     assert r.returncode == 0 and "engine: sparse" in r.stdout
     r = run_cli("generate", "-m", relu.path, "-p", "Hi", "-n", "4", "--temperature", "0", "--stats", "--mode", "dense")
     assert r.returncode == 0 and "engine: dense" in r.stdout
+
+
+@pytest.mark.parametrize("rank,n_ff", [(8, 96), (64, 4096)])  # the serial small path and the parallel one
+def test_predictor_active_set_equals_torch(rank, n_ff):
+    from powerinfer.engine.hybrid import SMALL_PREDICTOR, Predictor
+
+    g = torch.Generator().manual_seed(rank)
+    d = 48
+    w1, b1 = torch.randn(rank, d, generator=g), torch.randn(rank, generator=g)
+    w2, b2 = torch.randn(n_ff, rank, generator=g), torch.randn(n_ff, generator=g)
+    p = Predictor(w1, b1, w2, b2, threshold=0.5)
+    assert p._small == (w1.numel() + w2.numel() <= SMALL_PREDICTOR)
+    for _ in range(3):
+        x = torch.randn(1, d, generator=g)
+        logits = torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w1, b1)), w2, b2)[0]
+        expected = torch.nonzero(logits > 0.5).flatten()
+        got = p.active(x)
+        near = (logits - 0.5).abs() < 1e-4  # float rounding may flip these, nothing else
+        assert set(got.tolist()) ^ set(expected.tolist()) <= set(torch.nonzero(near).flatten().tolist())
+        assert torch.equal(got, torch.sort(got).values) and 0 < len(got) < n_ff
+
+
+def test_huge_page_copies_are_equal_contiguous_and_skip_small_tensors():
+    from powerinfer.ops.memory import HUGE_PAGE, on_huge_pages
+
+    big = torch.randn(2048, 4096)
+    h = on_huge_pages(big)
+    assert torch.equal(h, big) and h.is_contiguous() and h.dtype == big.dtype
+    assert h.data_ptr() != big.data_ptr() and h.data_ptr() % HUGE_PAGE == 0
+    small = torch.randn(16, 16)
+    assert on_huge_pages(small) is small

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..loader import DTYPES, parse_dtype
 from ..ops import sparse, sparse_cpu
+from ..ops.memory import on_huge_pages
 from ..ops.numba_half import numpy_weights
 from .timing import last_level_cache_bytes, median_time, memory_read_bandwidth
 
@@ -45,7 +46,7 @@ def _cycle(fns):
 def bench_dtype(dtype: torch.dtype, rows: int, cols: int, fractions: list[float], repeats: int) -> list[dict]:
     elem = torch.tensor([], dtype=dtype).element_size()
     n_mats = max(4, math.ceil(4 * last_level_cache_bytes() / (rows * cols * elem)))
-    mats = [torch.randn(rows, cols).to(dtype) for _ in range(n_mats)]
+    mats = [on_huge_pages(torch.randn(rows, cols).to(dtype)) for _ in range(n_mats)]
     views = [numpy_weights(w) for w in mats]
     x = torch.randn(cols)
     x_np = x[None].numpy()

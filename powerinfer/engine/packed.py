@@ -19,6 +19,7 @@ from ..loader import LoadedModel, parse_dtype
 from ..models.base import Model, ModelArgs
 from ..offline.pack import FORMAT, FORMAT_VERSION, SHARDS
 from ..ops import cpu
+from ..ops.memory import on_huge_pages
 from ..paths import content_hash
 from .hybrid import MODES, FFNStats, HybridFFN, Predictor, Tier
 
@@ -213,7 +214,7 @@ def _whole_layer(g: dict, c: dict, on_gpu: bool) -> tuple[dict, dict]:
 
 def _make_tier(name: str, t: dict, device: torch.device, dtype: torch.dtype) -> Tier:
     def mat(x):
-        return None if x is None else x.to(device=device, dtype=dtype).contiguous()
+        return None if x is None else on_huge_pages(x.to(device=device, dtype=dtype).contiguous())
 
     b_in = None if t["b_in"] is None else t["b_in"].float().to(device).contiguous()
     return Tier(name, mat(t["gate"]), mat(t["up"]), b_in, mat(t["down_t"]), t["neurons"].long(),

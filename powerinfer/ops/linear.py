@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu
+from .memory import on_huge_pages
 from .numba_half import numpy_weights
 
 
@@ -19,7 +20,7 @@ class Linear:
     """A weight (out, in) and optional bias, callable on (T, in) fp32 activations."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight = weight.contiguous()
+        self.weight = on_huge_pages(weight.contiguous())
         self.bias = None if bias is None else bias.float().contiguous()
         self._w_np = numpy_weights(self.weight) if cpu.supports(self.weight) else None
         self._b_np = None if self.bias is None or self._w_np is None else self.bias.numpy()

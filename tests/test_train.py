@@ -119,3 +119,33 @@ def test_cli_train_and_eval_end_to_end(tmp_path, smollm2_path):
     assert result["greedy_agreement"]["dense"] == 1.0 and 0 <= result["greedy_agreement"]["predicted"] <= 1
     r = cli("train", "-m", str(model), "--profile", str(tmp_path / "prof"), "-o", str(tmp_path / "pred"))
     assert r.returncode == 2 and "--force" in r.stderr
+
+
+def test_magnitude_weighting_spends_a_small_predictor_on_the_strong_activations():
+    """Half the neurons fire strongly, half weakly, each half on its own input direction; a
+    rank-2 predictor cannot learn both. Weighted by score it captures more activation mass
+    at the same count-recall target than the plain class-weighted loss."""
+    from powerinfer.offline.train import magnitude_weights, size_layer
+
+    g = torch.Generator().manual_seed(0)
+    n, d = 4000, 16
+    x = torch.randn(n, d, generator=g)
+    a, b = torch.randn(d, generator=g), torch.randn(d, generator=g)
+    strong = (x @ a > 0.5)[:, None].expand(n, 32)
+    weak = (x @ b > 0.5)[:, None].expand(n, 32)
+    y = torch.cat([strong, weak], 1)
+    score = torch.cat([torch.full((n, 32), 10.0), torch.full((n, 32), 0.1)], 1) * y
+    s = TrainSettings(recall=0.6, recall_margin=0.0, r_min=1, r_max=1, epochs=15, patience=15, seed=0)
+    x_new = torch.randn(2000, d, generator=torch.Generator().manual_seed(1))
+    y_new = torch.cat([(x_new @ a > 0.5)[:, None].expand(-1, 32), (x_new @ b > 0.5)[:, None].expand(-1, 32)], 1)
+    mass = torch.cat([torch.full((2000, 32), 10.0), torch.full((2000, 32), 0.1)], 1) * y_new
+
+    def captured(p):
+        pred = p.logits(x_new) > p.threshold
+        return float((mass * pred).sum() / mass.sum())
+
+    plain = size_layer(x, y, 0.5, 0.0, s)[1]
+    weighted = size_layer(x, y, 0.5, 0.0, s, score=score)[1]
+    assert captured(weighted) > 0.9 and captured(weighted) > captured(plain) + 0.2, (captured(weighted), captured(plain))
+    w = magnitude_weights(score, y, 20.0)
+    assert torch.all(w[~y] == 1) and abs(float(w[y].mean()) - 1) < 0.2 and float(w[y].max()) <= 20

@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=float, default=0.10, help="max predictor/model parameter ratio (default 0.10)")
     p.add_argument("--tolerance", type=float, default=0.02, help="precision change that counts (default 0.02)")
     p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--unweighted", action="store_true",
+                   help="plain class-weighted loss (default: also weight each miss by the neuron's true score)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", default=None, help="output directory (default: the model's cache dir)")
     p.add_argument("--force", action="store_true", help="overwrite predictors in --output")
@@ -33,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..offline.stats import Profile
-    from ..offline.train import Predictors, TrainSettings, file_hash, train_predictors
+    from ..offline.train import Predictors, TrainSettings, file_hash, model_scores, train_predictors
     from ..paths import content_hash, model_cache_dir
 
     if not 0 < args.recall < 1:
@@ -65,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
         raise BadArgumentError(f"{out} already holds predictors; pass --force to overwrite them")
     settings = TrainSettings(recall=args.recall, recall_margin=args.recall_margin, budget=args.budget,
                              tolerance=args.tolerance, epochs=args.epochs, seed=args.seed)
-    preds = train_predictors(profile, lm.model.num_parameters(), settings)
+    scores = None if args.unweighted else model_scores(lm.model, profile.criterion)
+    preds = train_predictors(profile, lm.model.num_parameters(), settings, scores)
     preds.save(out)
     print("| layer | rank | threshold | recall | precision | predicted sparsity | true sparsity |")
     print("|---|---|---|---|---|---|---|")

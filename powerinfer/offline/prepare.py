@@ -70,7 +70,7 @@ def prepare(model_path: str | None, s: PrepareSettings, lm=None) -> str:
         raise BadArgumentError(f"VRAM budget {budget / 2**30:.2f} GiB is not within the {hw.name}'s "
                                f"{hw.gpu_memory / 2**30:.2f} GiB")
     packed_dir = default_packed_dir(model_hash)
-    request = {"hardware": hw.name, "budget": budget, "dtype": s.dtype}
+    request = {"hardware": hw.name, "budget": budget, "dtype": s.dtype, "predictor_loss": "magnitude-weighted"}
     if _packed_is_current(packed_dir, model_hash, cache, request):
         _log(f"{packed_dir} is up to date ({hw.name}, budget {budget} bytes, {s.dtype})")
         return packed_dir
@@ -177,19 +177,21 @@ def _profile(lm, cache, model_hash: str, s: PrepareSettings) -> Profile:
 
 
 def _predictors(lm, profile: Profile, cache, model_hash: str, s: PrepareSettings):
-    from .train import Predictors, TrainSettings, file_hash, train_predictors
+    from .train import Predictors, TrainSettings, file_hash, model_scores, train_predictors
 
     out = str(cache / "predictors")
     profile_hash = file_hash(os.path.join(profile.path, "stats.safetensors"))
     try:
         preds = Predictors.load(out, model_hash, profile_hash)
-        _log(f"reusing the predictors in {out}")
-        return preds
+        if preds.manifest.get("magnitude_weighted") and preds.manifest.get("settings", {}).get("recall") == s.recall:
+            _log(f"reusing the predictors in {out}")
+            return preds
     except PowerInferError:
         pass
     _log("training predictors (step 2 of 4)")
     preds = train_predictors(profile, lm.model.num_parameters(), TrainSettings(recall=s.recall, budget=s.budget,
-                                                                                seed=s.seed))
+                                                                                seed=s.seed),
+                             model_scores(lm.model, profile.criterion))
     preds.save(out)
     return preds
 

@@ -23,6 +23,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -54,6 +55,7 @@ class TrainSettings:
     val_fraction: float = 0.2
     patience: int = 4
     max_samples: int = 4096  # per layer; more buys little and costs minutes
+    magnitude_cap: float = 20.0  # with scores: a positive's loss weight is its score / mean, capped here
     seed: int = 0
 
 
@@ -120,9 +122,21 @@ def evaluate(logits: torch.Tensor, target: torch.Tensor, tau: float) -> dict[str
             "predicted_sparsity": 1 - pred.float().mean().item(), "true_sparsity": 1 - target.float().mean().item()}
 
 
+def magnitude_weights(score: torch.Tensor, active: torch.Tensor, cap: float) -> torch.Tensor:
+    """Per-(token, neuron) loss weights: 1 for inactive pairs, score / mean active score
+    (clamped to [1/cap, cap]) for active ones, so missing a strong activation costs more than
+    missing a barely-active one; the threshold still targets the count recall."""
+    w = torch.ones_like(score)
+    pos = score[active]
+    if pos.numel():
+        w[active] = (pos / pos.mean().clamp_min(1e-12)).clamp(1 / cap, cap)
+    return w
+
+
 def train_one(x_tr: torch.Tensor, y_tr: torch.Tensor, x_va: torch.Tensor, y_va: torch.Tensor, rank: int,
-              s: TrainSettings) -> tuple[LayerPredictor, dict]:
-    """Train a rank-`rank` predictor; early-stop on validation precision at the recall target."""
+              s: TrainSettings, w_tr: torch.Tensor | None = None) -> tuple[LayerPredictor, dict]:
+    """Train a rank-`rank` predictor; early-stop on validation precision at the recall target.
+    `w_tr`: optional per-element loss weights (see magnitude_weights)."""
     g = torch.Generator().manual_seed(s.seed + rank)
     d, n_ff = x_tr.shape[1], y_tr.shape[1]
     w1 = (torch.randn(rank, d, generator=g) / math.sqrt(d)).requires_grad_()
@@ -140,7 +154,8 @@ def train_one(x_tr: torch.Tensor, y_tr: torch.Tensor, x_va: torch.Tensor, y_va: 
         for i in range(0, len(order), s.batch_size):
             idx = order[i : i + s.batch_size]
             logits = F.linear(F.relu(F.linear(x_tr[idx], w1, b1)), w2, b2)
-            loss = F.binary_cross_entropy_with_logits(logits, y_tr[idx].float(), pos_weight=pos_weight)
+            loss = F.binary_cross_entropy_with_logits(logits, y_tr[idx].float(), pos_weight=pos_weight,
+                                                      weight=None if w_tr is None else w_tr[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -176,24 +191,27 @@ def start_rank(d: int, sparsity: float, gini: float, s: TrainSettings) -> int:
 
 
 def size_layer(x: torch.Tensor, y: torch.Tensor, sparsity: float, gini: float, s: TrainSettings,
-               bar: tqdm | None = None, r_cap: int | None = None) -> dict[int, LayerPredictor]:
+               bar: tqdm | None = None, r_cap: int | None = None,
+               score: torch.Tensor | None = None) -> dict[int, LayerPredictor]:
     """Train the ranks the shrink/grow rule visits (never above r_cap); returns every trained
-    candidate."""
+    candidate. `score` (N, n_ff): the samples' neuron scores, for magnitude-weighted training."""
     if x.shape[0] > s.max_samples:
         keep = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(s.seed))[: s.max_samples]
         x, y = x[keep], y[keep]
+        score = None if score is None else score[keep]
     n = x.shape[0]
     n_va = max(1, int(n * s.val_fraction))
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(s.seed))
     va, tr = perm[:n_va], perm[n_va:]
     x_tr, y_tr, x_va, y_va = x[tr], y[tr], x[va], y[va]
+    w_tr = None if score is None else magnitude_weights(score[tr], y_tr, s.magnitude_cap)
     d = x.shape[1]
     r_hi = min(s.r_max, d, r_cap or s.r_max)
     tried: dict[int, LayerPredictor] = {}
 
     def fit(r: int) -> float:
         if r not in tried:
-            tried[r] = train_one(x_tr, y_tr, x_va, y_va, r, s)[0]
+            tried[r] = train_one(x_tr, y_tr, x_va, y_va, r, s, w_tr)[0]
             if bar is not None:
                 bar.set_postfix(rank=r, precision=f"{tried[r].precision:.3f}")
         return tried[r].precision
@@ -307,8 +325,30 @@ class Predictors:
         return cls(layers, manifest)
 
 
-def train_predictors(profile: Profile, model_params: int, s: TrainSettings) -> Predictors:
-    """Size, train and budget one predictor per layer from the profile's samples."""
+def model_scores(model, criterion: str) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """`scores` for train_predictors from the dense model's own FFNs (what the profile scored)."""
+    from ..engine.ffn import neuron_scores
+    from .profile import dense_ffns
+
+    ffns = dense_ffns(model)
+
+    @torch.inference_mode()
+    def scores(layer: int, x: torch.Tensor) -> torch.Tensor:
+        out = []
+        for i in range(0, x.shape[0], 1024):
+            a, u = ffns[layer].parts(x[i : i + 1024])
+            out.append(neuron_scores(a, u, criterion))
+        return torch.cat(out)
+
+    return scores
+
+
+def train_predictors(profile: Profile, model_params: int, s: TrainSettings,
+                     scores: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> Predictors:
+    """Size, train and budget one predictor per layer from the profile's samples.
+
+    `scores(layer, x) -> (N, n_ff)`: the true neuron scores of the samples (from the model,
+    see `model_scores`); given, training weights each miss by how strongly the neuron fired."""
     torch.manual_seed(s.seed)
     candidates = []
     with tqdm(range(len(profile.layers)), desc="train predictors", unit="layer") as bar:
@@ -319,7 +359,9 @@ def train_predictors(profile: Profile, model_params: int, s: TrainSettings) -> P
             st = profile.layers[i]
             # no layer trains ranks beyond twice its fair share of the budget
             fair = s.budget * model_params / len(profile.layers) / (x.shape[1] + st.n_ff + 1)
-            candidates.append(size_layer(x, y, st.sparsity, st.gini, s, bar, r_cap=max(s.r_min, _pow2_floor(int(2 * fair)))))
+            score = None if scores is None else scores(i, x)
+            candidates.append(size_layer(x, y, st.sparsity, st.gini, s, bar, r_cap=max(s.r_min, _pow2_floor(int(2 * fair))),
+                                         score=score))
     ranks = choose_ranks(candidates, s, model_params)
     layers = []
     for tried, r in zip(candidates, ranks):
@@ -329,5 +371,5 @@ def train_predictors(profile: Profile, model_params: int, s: TrainSettings) -> P
     total = sum(p.n_params for p in layers)
     manifest = {"model_hash": profile.model_hash, "profile_hash": file_hash(os.path.join(profile.path, "stats.safetensors")),
                 "profile": profile.path, "settings": asdict(s), "predictor_params": total, "model_params": model_params,
-                "param_ratio": total / model_params}
+                "param_ratio": total / model_params, "magnitude_weighted": scores is not None}
     return Predictors(layers, manifest)

@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--unweighted", action="store_true",
                    help="plain class-weighted loss (default: also weight each miss by the neuron's true score)")
+    p.add_argument("--magnitude-power", type=float, default=1.0,
+                   help="misses weigh (score / mean score)^P (default 1; 2 favours strong activations more)")
+    p.add_argument("--magnitude-cap", type=float, default=20.0, help="largest miss weight (default 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", default=None, help="output directory (default: the model's cache dir)")
     p.add_argument("--force", action="store_true", help="overwrite predictors in --output")
@@ -40,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.recall < 1:
         raise BadArgumentError("--recall must be in (0, 1)")
+    if args.magnitude_power <= 0 or args.magnitude_cap < 1:
+        raise BadArgumentError("--magnitude-power must be > 0 and --magnitude-cap >= 1")
     if not 0 < args.budget <= 1:
         raise BadArgumentError("--budget must be in (0, 1]")
     lm = load_from_args(args)
@@ -66,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     if args.output and os.path.exists(os.path.join(out, "manifest.json")) and not args.force:
         raise BadArgumentError(f"{out} already holds predictors; pass --force to overwrite them")
     settings = TrainSettings(recall=args.recall, recall_margin=args.recall_margin, budget=args.budget,
-                             tolerance=args.tolerance, epochs=args.epochs, seed=args.seed)
+                             tolerance=args.tolerance, epochs=args.epochs, seed=args.seed,
+                             magnitude_power=args.magnitude_power, magnitude_cap=args.magnitude_cap)
     scores = None if args.unweighted else model_scores(lm.model, profile.criterion)
     preds = train_predictors(profile, lm.model.num_parameters(), settings, scores)
     preds.save(out)

@@ -55,7 +55,8 @@ class TrainSettings:
     val_fraction: float = 0.2
     patience: int = 4
     max_samples: int = 4096  # per layer; more buys little and costs minutes
-    magnitude_cap: float = 20.0  # with scores: a positive's loss weight is its score / mean, capped here
+    magnitude_cap: float = 20.0  # with scores: a positive's loss weight is (score / mean)^power, capped here
+    magnitude_power: float = 1.0
     seed: int = 0
 
 
@@ -122,14 +123,15 @@ def evaluate(logits: torch.Tensor, target: torch.Tensor, tau: float) -> dict[str
             "predicted_sparsity": 1 - pred.float().mean().item(), "true_sparsity": 1 - target.float().mean().item()}
 
 
-def magnitude_weights(score: torch.Tensor, active: torch.Tensor, cap: float) -> torch.Tensor:
+def magnitude_weights(score: torch.Tensor, active: torch.Tensor, cap: float, power: float = 1.0) -> torch.Tensor:
     """Per-(token, neuron) loss weights: 1 for inactive pairs, score / mean active score
     (clamped to [1/cap, cap]) for active ones, so missing a strong activation costs more than
     missing a barely-active one; the threshold still targets the count recall."""
     w = torch.ones_like(score)
     pos = score[active]
     if pos.numel():
-        w[active] = (pos / pos.mean().clamp_min(1e-12)).clamp(1 / cap, cap)
+        rel = (pos / pos.mean().clamp_min(1e-12)) ** power
+        w[active] = (rel / rel.mean()).clamp(1 / cap, cap)
     return w
 
 
@@ -204,7 +206,7 @@ def size_layer(x: torch.Tensor, y: torch.Tensor, sparsity: float, gini: float, s
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(s.seed))
     va, tr = perm[:n_va], perm[n_va:]
     x_tr, y_tr, x_va, y_va = x[tr], y[tr], x[va], y[va]
-    w_tr = None if score is None else magnitude_weights(score[tr], y_tr, s.magnitude_cap)
+    w_tr = None if score is None else magnitude_weights(score[tr], y_tr, s.magnitude_cap, s.magnitude_power)
     d = x.shape[1]
     r_hi = min(s.r_max, d, r_cap or s.r_max)
     tried: dict[int, LayerPredictor] = {}

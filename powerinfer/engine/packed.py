@@ -8,7 +8,6 @@ and the KV cache run on the CPU in this version, whatever the placement says abo
 
 from __future__ import annotations
 
-import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +15,7 @@ import torch
 
 from ..errors import BadArgumentError, PowerInferError
 from ..loader import LoadedModel, parse_dtype
+from ..manifest import read_manifest as read_json_manifest
 from ..models.base import Model, ModelArgs
 from ..offline.pack import FORMAT, FORMAT_VERSION, SHARDS
 from ..ops import cpu
@@ -32,15 +32,8 @@ def read_manifest(path: str) -> dict:
     mpath = os.path.join(path, "manifest.json")
     if not os.path.isdir(path):
         raise PackedModelError(f"{path}: no such packed model directory; run `powerinfer prepare` or `pack`")
-    try:
-        with open(mpath) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        raise PackedModelError(f"{path}: not a packed model (no manifest.json)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PackedModelError(f"{mpath}: corrupt manifest ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise PackedModelError(f"{mpath}: not a powerinfer packed-model manifest")
+    manifest = read_json_manifest(mpath, FORMAT, "packed-model", f"{path}: not a packed model (no manifest.json)",
+                                  PackedModelError)
     if manifest.get("format_version") != FORMAT_VERSION:
         raise PackedModelError(f"{mpath}: packed format version {manifest.get('format_version')} is not "
                                f"{FORMAT_VERSION}; pack the model again")

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PowerInferError
+from ..manifest import read_manifest
 
 FORMAT = "powerinfer-profile"
 FORMAT_VERSION = 1
@@ -117,15 +118,9 @@ class Profile:
         from safetensors.numpy import load_file
 
         manifest_path = os.path.join(path, MANIFEST)
-        if not os.path.isfile(manifest_path):
-            raise ProfileError(f"{path}: not a profile directory (no {MANIFEST}); run `powerinfer profile` first")
-        try:
-            with open(manifest_path) as f:
-                manifest = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ProfileError(f"{manifest_path}: corrupt manifest ({e})") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise ProfileError(f"{manifest_path}: not a powerinfer profile manifest")
+        manifest = read_manifest(manifest_path, FORMAT, "profile",
+                                 f"{path}: not a profile directory (no {MANIFEST}); run `powerinfer profile` first",
+                                 ProfileError)
         if manifest.get("format_version") != FORMAT_VERSION:
             raise ProfileError(f"{manifest_path}: profile format version {manifest.get('format_version')} "
                                f"is not {FORMAT_VERSION}; re-run `powerinfer profile`")

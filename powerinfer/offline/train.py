@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..errors import BadArgumentError, PowerInferError
+from ..manifest import read_manifest
 from .stats import Profile
 
 FORMAT = "powerinfer-predictors"
@@ -293,16 +294,8 @@ class Predictors:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        mpath = os.path.join(path, "manifest.json")
-        try:
-            with open(mpath) as f:
-                manifest = json.load(f)
-        except FileNotFoundError:
-            raise PredictorError(f"{path}: no predictors here (no manifest.json); run `powerinfer train`") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise PredictorError(f"{mpath}: corrupt manifest ({e})") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise PredictorError(f"{mpath}: not a powerinfer predictors manifest")
+        manifest = read_manifest(os.path.join(path, "manifest.json"), FORMAT, "predictors",
+                                 f"{path}: no predictors here (no manifest.json); run `powerinfer train`", PredictorError)
         if model_hash is not None and manifest.get("model_hash") != model_hash:
             raise PredictorError(f"{path}: predictors were trained for model {manifest.get('model_hash')}, "
                                  f"not this one ({model_hash})")

@@ -66,14 +66,19 @@ def read_model(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor | None]]:
     return args, family.state_from_gguf(g, args)
 
 
-def load(path: str | None = None, dtype: str | torch.dtype = "fp32", threads: int | None = None,
-         with_tokenizer: bool = True) -> LoadedModel:
-    """Load a model for generation. `path`: .gguf file, HF directory, or None for the default."""
+def set_threads(threads: int | None) -> None:
+    """Use `threads` CPU threads for torch and the numba kernels (None: leave as is)."""
     if threads is not None:
         if threads < 1:
             raise BadArgumentError("threads must be >= 1")
         torch.set_num_threads(threads)
         cpu.set_threads(threads)
+
+
+def load(path: str | None = None, dtype: str | torch.dtype = "fp32", threads: int | None = None,
+         with_tokenizer: bool = True) -> LoadedModel:
+    """Load a model for generation. `path`: .gguf file, HF directory, or None for the default."""
+    set_threads(threads)
     path = resolve_model_path(path)
     torch_dtype = parse_dtype(dtype)
     args, state = read_model(path)

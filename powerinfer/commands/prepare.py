@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import BadArgumentError
-from ..loader import DTYPES
+from ..loader import DTYPES, set_threads
 from ..units import format_size, parse_size
 
 
@@ -41,15 +41,7 @@ def run(args: argparse.Namespace) -> int:
         raise BadArgumentError("--recall must be in (0, 1)")
     if args.target_sparsity is not None and not 0 <= args.target_sparsity < 1:
         raise BadArgumentError("--target-sparsity must be in [0, 1)")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise BadArgumentError("threads must be >= 1")
-        import torch
-
-        from ..ops import cpu
-
-        torch.set_num_threads(args.threads)
-        cpu.set_threads(args.threads)
+    set_threads(args.threads)
     budget = parse_size(args.vram_budget) if args.vram_budget is not None else None
     s = PrepareSettings(hardware=args.hardware, vram_budget=budget, dtype=args.dtype, dataset=args.dataset,
                         prompts=args.prompts, heldout=args.heldout, max_tokens=args.max_tokens,

@@ -14,11 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..errors import BadArgumentError, PowerInferError
-from ..loader import LoadedModel, parse_dtype
+from ..loader import LoadedModel, parse_dtype, set_threads
 from ..manifest import read_manifest as read_json_manifest
 from ..models.base import Model, ModelArgs
 from ..offline.pack import FORMAT, FORMAT_VERSION, SHARDS
-from ..ops import cpu
 from ..ops.memory import on_huge_pages
 from ..paths import content_hash
 from .hybrid import MODES, FFNStats, HybridFFN, Predictor, Tier
@@ -111,11 +110,7 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
     """
     if mode not in MODES:
         raise BadArgumentError(f"unknown mode {mode!r} (choose {', '.join(MODES)})")
-    if threads is not None:
-        if threads < 1:
-            raise BadArgumentError("threads must be >= 1")
-        torch.set_num_threads(threads)
-        cpu.set_threads(threads)
+    set_threads(threads)
     manifest = read_manifest(path)
     if model_hash is not None and manifest["source"]["hash"] != model_hash:
         raise PackedModelError(f"{path}: packed from model {manifest['source']['hash']}, not this one ({model_hash}); "

@@ -9,14 +9,12 @@ engines over several rounds (the machine is noisy) and reporting medians and the
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import time
 
 import torch
 
 import powerinfer
-from powerinfer.engine.generate import prefill
+from powerinfer.bench.timing import decode_round, load_transformers, transformers_round
 from powerinfer.loader import DTYPES
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
@@ -29,34 +27,6 @@ def prompt_ids(lm, n: int) -> list[int]:
     return ids[:n]
 
 
-def ours_round(lm, ids: list[int], n_decode: int) -> tuple[float, float]:
-    model = lm.model
-    cache = model.new_cache(len(ids) + n_decode + 1)
-    t0 = time.perf_counter()
-    logits = prefill(model, torch.tensor(ids), cache)
-    t1 = time.perf_counter()
-    step = torch.empty(1, dtype=torch.long)
-    for _ in range(n_decode):
-        step[0] = int(logits.argmax())
-        logits = model.forward(step, cache)
-    t2 = time.perf_counter()
-    return len(ids) / (t1 - t0), n_decode / (t2 - t1)
-
-
-def hf_round(hf, ids: list[int], n_decode: int) -> tuple[float, float]:
-    x = torch.tensor([ids])
-    mask = torch.ones_like(x)
-    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        t0 = time.perf_counter()
-        hf.generate(x, max_new_tokens=1, min_new_tokens=1, **kw)
-        t1 = time.perf_counter()
-        hf.generate(x, max_new_tokens=n_decode + 1, min_new_tokens=n_decode + 1, **kw)
-        t2 = time.perf_counter()
-    prefill_s = t1 - t0
-    return len(ids) / prefill_s, n_decode / ((t2 - t1) - prefill_s)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -67,26 +37,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
     rows = []
     for name in args.dtypes.split(","):
         lm = powerinfer.load(args.model, dtype=name, threads=args.threads)
-        path = lm.path
-        if os.path.isfile(path):
-            hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                      dtype=DTYPES[name])
-        else:
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[name])
-        hf.eval()
+        hf = load_transformers(lm.path, DTYPES[name])
         ids = prompt_ids(lm, args.prompt)
-        ours_round(lm, ids, 4), hf_round(hf, ids, 4)  # warm-up (numba compile, allocator)
+        decode_round(lm.model, ids, 4), transformers_round(hf, ids, 4)  # warm-up (numba compile, allocator)
         ours, theirs = [], []
         for _ in range(args.rounds):
-            ours.append(ours_round(lm, ids, args.tokens))
-            theirs.append(hf_round(hf, ids, args.tokens))
+            ours.append(decode_round(lm.model, ids, args.tokens))
+            theirs.append(transformers_round(hf, ids, args.tokens))
         med = lambda xs, i: statistics.median(x[i] for x in xs)
         rows.append((name, med(ours, 0), med(theirs, 0), med(ours, 1), med(theirs, 1)))
         del lm, hf

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -50,48 +48,12 @@ def grouped_prompts(tokenizer, per_group: int) -> dict[str, list[list[int]]]:
     return out
 
 
-def ours_decode(model, ids: list[int], n: int) -> float:
-    from ..engine.generate import prefill
-
-    cache = model.new_cache(len(ids) + n + 1)
-    logits = prefill(model, torch.tensor(ids), cache)
-    step = torch.empty(1, dtype=torch.long)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step[0] = int(logits.argmax())
-        logits = model.forward(step, cache)
-    return n / (time.perf_counter() - t0)
-
-
-def hf_decode(hf, ids: list[int], n: int) -> float:
-    x = torch.tensor([ids])
-    kw = dict(attention_mask=torch.ones_like(x), do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        t0 = time.perf_counter()
-        hf.generate(x, max_new_tokens=1, min_new_tokens=1, **kw)
-        t1 = time.perf_counter()
-        hf.generate(x, max_new_tokens=n + 1, min_new_tokens=n + 1, **kw)
-        t2 = time.perf_counter()
-    return n / ((t2 - t1) - (t1 - t0))
-
-
-def load_transformers(path: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    if os.path.isfile(path):
-        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
-    else:
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return hf.eval()
-
-
 def run(args: argparse.Namespace) -> int:
     from ..engine.packed import load_packed
     from ..errors import BadArgumentError
     from ..loader import DTYPES, load
     from ..offline.prepare import PrepareSettings, prepare
+    from .timing import decode_round, load_transformers, transformers_round
 
     outputs = [int(x) for x in args.outputs.split(",") if x.strip()]
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -108,9 +70,9 @@ def run(args: argparse.Namespace) -> int:
     hf = load_transformers(dense.path, DTYPES[args.dtype]) if "transformers" in engines else None
     prompts = grouped_prompts(dense.tokenizer, args.per_group)
     for m in models.values():  # warm-up: numba compilation, allocator
-        ours_decode(m, prompts["short"][0], 4)
+        decode_round(m, prompts["short"][0], 4)
     if hf is not None:
-        hf_decode(hf, prompts["short"][0], 4)
+        transformers_round(hf, prompts["short"][0], 4)
     results = {"model": dense.path, "dtype": args.dtype, "threads": args.threads, "groups": {}}
     active = []
     for g, plist in prompts.items():
@@ -119,11 +81,11 @@ def run(args: argparse.Namespace) -> int:
             for ids in plist:
                 for e in engines:
                     if e == "transformers":
-                        speeds[e].append(hf_decode(hf, ids, n))
+                        speeds[e].append(transformers_round(hf, ids, n)[1])
                     else:
                         if e == "sparse":
                             models[e].ffn_stats.reset()
-                        speeds[e].append(ours_decode(models[e], ids, n))
+                        speeds[e].append(decode_round(models[e], ids, n)[1])
                         if e == "sparse":
                             active.append(models[e].ffn_stats.active_fraction)
             row = {e: statistics.median(v) for e, v in speeds.items()}

@@ -27,12 +27,14 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import numpy as np
 import torch
 
+from .timing import decode_round
+
 D, N_FF, HEADS = 4096, 11008, 32
+PROMPT = [1, 2, 3, 4]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -154,14 +156,7 @@ def calibrate_active_share(sparse, target: float, passes: int = 3, n: int = 24) 
 
 
 def decode_speed(model, n: int) -> float:
-    cache = model.new_cache(n + 8)
-    model.forward(torch.arange(1, 5), cache)
-    step = torch.tensor([7])
-    t0 = time.perf_counter()
-    for _ in range(n):
-        logits = model.forward(step, cache)
-        step[0] = int(logits.argmax())
-    return n / (time.perf_counter() - t0)
+    return decode_round(model, PROMPT, n)[1]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -63,3 +63,49 @@ def memory_read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7) -> float:
             fn()
             best = min(best, time.perf_counter() - t0)
     return n_bytes / best
+
+
+def decode_round(model, ids: list[int], n: int) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) of our engine: prefill `ids`, then `n` greedy steps."""
+    from ..engine.generate import prefill
+
+    cache = model.new_cache(len(ids) + n + 1)
+    t0 = time.perf_counter()
+    logits = prefill(model, torch.tensor(ids), cache)
+    t1 = time.perf_counter()
+    step = torch.empty(1, dtype=torch.long)
+    for _ in range(n):
+        step[0] = int(logits.argmax())
+        logits = model.forward(step, cache)
+    t2 = time.perf_counter()
+    return len(ids) / (t1 - t0), n / (t2 - t1)
+
+
+def transformers_round(hf, ids: list[int], n: int) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) of transformers' greedy `generate` (EOS ignored); decode
+    time is a full run minus a one-token run."""
+    x = torch.tensor([ids])
+    kw = dict(attention_mask=torch.ones_like(x), do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        hf.generate(x, max_new_tokens=1, min_new_tokens=1, **kw)
+        t1 = time.perf_counter()
+        hf.generate(x, max_new_tokens=n + 1, min_new_tokens=n + 1, **kw)
+        t2 = time.perf_counter()
+    prefill_s = t1 - t0
+    return len(ids) / prefill_s, n / ((t2 - t1) - prefill_s)
+
+
+def load_transformers(path: str, dtype: torch.dtype):
+    """transformers' model for our model path (GGUF file via `gguf_file=`, or HF directory)."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    if os.path.isfile(path):
+        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return hf.eval()

@@ -100,10 +100,7 @@ QUALITY_SLACK = 0.02  # sparse may cost this much held-out perplexity over dense
 def check_sparse(lm, packed_dir: str, profile: Profile, predictors, s: PrepareSettings) -> dict:
     """Measure what `--mode auto` should pick: the sparse engine only when it decodes faster
     than the dense one here and its held-out perplexity is within QUALITY_SLACK of dense."""
-    import time
-
-    import torch
-
+    from ..bench.timing import decode_round
     from ..engine.packed import load_packed
     from .evaluate import heldout_texts
     from .profile import instrumented, perplexity, tokenize
@@ -120,13 +117,7 @@ def check_sparse(lm, packed_dir: str, profile: Profile, predictors, s: PrepareSe
     sparse = load_packed(packed_dir, mode="sparse", dtype=s.dtype, with_tokenizer=False).model
 
     def speed(model, n: int = 32) -> float:
-        cache = model.new_cache(n + 8)
-        model.forward(torch.arange(1, 5), cache)
-        step = torch.tensor([1])
-        t0 = time.perf_counter()
-        for _ in range(n):
-            step[0] = int(model.forward(step, cache).argmax())
-        return n / (time.perf_counter() - t0)
+        return decode_round(model, [1, 2, 3, 4], n)[1]
 
     speed(lm.model, 4), speed(sparse, 4)  # compile and warm up
     tps = {"dense": max(speed(lm.model) for _ in range(2)), "sparse": max(speed(sparse) for _ in range(2))}

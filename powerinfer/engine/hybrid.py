@@ -101,13 +101,9 @@ class Tier:
             self._np = (numpy_weights(w_gate), None if w_up is None else numpy_weights(w_up),
                         cpu.NO_BIAS if b_in is None else b_in.numpy(), numpy_weights(wt_down))
         self.all_rows = torch.arange(self.n, dtype=torch.int64)
-        self._all_np = self.all_rows.numpy()
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.w_gate, self.w_up, self.b_in, self.wt_down) if t is not None]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 class HybridFFN:
@@ -271,13 +267,16 @@ class Predictor:
             self._thr = np.array([self.threshold], dtype=np.float32)
             self._small = self.w1.numel() + self.w2.numel() <= SMALL_PREDICTOR
 
+    def _device_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return gpu.predictor_logits(self.w1, self.b1, self.w2, self.b2, x.to(self.device))
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return gpu.predictor_logits(self.w1, self.b1, self.w2, self.b2, x.to(self.device)).cpu()
+        return self._device_logits(x).cpu()
 
     def active(self, x: torch.Tensor) -> torch.Tensor:
         """Sorted int64 packed indices of the neurons predicted active for one token."""
-        if self.device.type != "cpu":
-            return gpu.threshold_to_index(self.logits(x).to(self.device), torch.tensor(self.threshold)).cpu()
+        if self.device.type != "cpu":  # threshold where the logits are; only the indices travel
+            return gpu.threshold_to_index(self._device_logits(x), torch.tensor(self.threshold, device=self.device)).cpu()
         w1, b1, w2, b2 = self._np
         x_np = x.contiguous().numpy()
         if self._small:

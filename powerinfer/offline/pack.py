@@ -146,7 +146,8 @@ def pack_model(model_path: str | None, out_dir: str, profile: Profile, predictor
         file = os.path.join(tmp, f"{name}.safetensors")
         save_file(shards[name], file)
         shard_info[name] = {"file": f"{name}.safetensors", "bytes": os.path.getsize(file),
-                            "tensor_bytes": sum(t.numel() * t.element_size() for t in shards[name].values())}
+                            "tensor_bytes": sum(t.numel() * t.element_size() for t in shards[name].values()),
+                            "hash": content_hash(file)}  # loading compares it (memoised by size+mtime)
     _save_tokenizer(path, args.eos_token_ids, os.path.join(tmp, "tokenizer"))
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
@@ -165,11 +166,6 @@ def pack_model(model_path: str | None, out_dir: str, profile: Profile, predictor
         "shards": shard_info,
         "layers": layer_info,
     }
-    with open(os.path.join(tmp, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
-    # hashes last, of the files as written; loading compares them (memoised by size+mtime)
-    for name in SHARDS:
-        manifest["shards"][name]["hash"] = content_hash(os.path.join(tmp, f"{name}.safetensors"))
     with open(os.path.join(tmp, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     if os.path.isdir(out_dir):

@@ -109,3 +109,31 @@ def test_bamboo_style_relu_on_up_matches_patched_transformers(tmp_path):
                      *[ours.forward(tokens[i : i + 1], cache, all_logits=True) for i in range(6, 9)]])
     with torch.no_grad():
         torch.testing.assert_close(got, ref(tokens[None]).logits[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama_tied_relu"])
+def test_fused_decode_equals_per_op_decode(name, dtype, tiny_dir):
+    """The one-call attention block and dense FFN (ops/decode.py) against the per-op path."""
+    path = tiny_dir / name if (tiny_dir / name).exists() else build_tiny(name, tiny_dir)
+    model = load(str(path), dtype=dtype, with_tokenizer=False).model
+    assert all(layer.fused_decode for layer in model.layers)
+    tokens = torch.randint(0, VOCAB, (9,))
+
+    def decode_all() -> torch.Tensor:
+        cache = model.new_cache(9)
+        model.forward(tokens[:3], cache)
+        return torch.stack([model.forward(tokens[i : i + 1], cache) for i in range(3, 9)])
+
+    fused = decode_all()
+    for layer in model.layers:
+        layer.fused_decode = False
+    per_op = decode_all()
+    torch.testing.assert_close(fused, per_op, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_decode_not_used_where_it_does_not_apply(tiny_dir):
+    for name in ("opt", "falcon_mq_parallel"):
+        path = tiny_dir / name if (tiny_dir / name).exists() else build_tiny(name, tiny_dir)
+        model = load(str(path), with_tokenizer=False).model
+        assert not any(layer.fused_decode for layer in model.layers)

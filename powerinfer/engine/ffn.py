@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import Callable, Protocol
 
+import numpy as np
+
 import torch
 import torch.nn.functional as F
 
-from ..ops import cpu
+from ..ops import cpu, decode
 from ..ops.linear import Linear
 
 
@@ -85,6 +87,16 @@ class DenseFFN:
 
     def down(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return self.w_out(h, residual=residual)
+
+    def add_one(self, h: np.ndarray, x: np.ndarray) -> bool:
+        """Decode: x += FFN(h) for one fp32 token in one kernel call (ops/decode.py). Returns
+        False, doing nothing, when the weights are not ones the CPU kernels read."""
+        w_in, w_out = self.w_in.w_np, self.w_out.w_np
+        if w_in is None or w_out is None:
+            return False
+        decode.dense_ffn(h, w_in, self.w_in.b_np, w_out, self.w_out.b_np, self.gated, self._act_id,
+                         self._up_act_id, x)
+        return True
 
     def _hidden_one(self, h: torch.Tensor) -> torch.Tensor:
         if not self.gated:

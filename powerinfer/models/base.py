@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..engine.cache import KVCache
 from ..engine.ffn import FFN, DenseFFN
-from ..ops import cpu
+from ..ops import cpu, decode
 from ..ops.linear import Linear
 
 _EMPTY_TABLE = np.zeros((1, 1), dtype=np.float32)
@@ -105,6 +105,7 @@ class Layer:
     attn: Attention
     ffn_norm: Norm | None  # None in a parallel block that shares attn_norm
     ffn: FFN
+    fused_decode: bool = False  # decode runs the attention block as one kernel (ops/decode.py)
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> list[float]:
@@ -173,9 +174,20 @@ class Model:
                 up_act=args.up_act,
             )
             attn = Attention(linear(p + "wqkv", p + "bqkv"), linear(p + "wo", p + "bo"))
-            self.layers.append(Layer(attn_norm, attn, norm(p + "ffn_norm"), ffn))
+            layer = Layer(attn_norm, attn, norm(p + "ffn_norm"), ffn)
+            layer.fused_decode = self._can_fuse(layer)
+            self.layers.append(layer)
         self._rope = torch.empty(0, dtype=torch.complex64)
         self._rope_cs: tuple[np.ndarray, np.ndarray] | None = None
+
+    def _can_fuse(self, layer: Layer) -> bool:
+        """Whether decode can run this layer's attention block in one kernel: a pre-norm,
+        sequential RMSNorm block (the Llama shape) with CPU weights the kernels read."""
+        a = self.args
+        return (a.pre_norm and not a.parallel_block and a.norm == "rms" and a.position in ("rope", "learned")
+                and layer.attn_norm.weight is not None and layer.ffn_norm is not None
+                and layer.ffn_norm.weight is not None and layer.attn.qkv.w_np is not None
+                and layer.attn.o.w_np is not None)
 
     # -- positions -----------------------------------------------------------------------
     def rope_table(self, length: int) -> torch.Tensor:
@@ -252,7 +264,25 @@ class Model:
             self._rope_cs = (table.real.contiguous().numpy(), table.imag.contiguous().numpy())
         return self._rope_cs
 
+    def _fused_block(self, i: int, layer: Layer, x: torch.Tensor, cache: KVCache, pos: int) -> torch.Tensor:
+        """One decode token through a layer with two kernel calls; x (1, d) is updated in place."""
+        a = self.args
+        rope = a.position == "rope"
+        cos, sin = self.rope_cos_sin(pos + 1) if rope else (_EMPTY_TABLE, _EMPTY_TABLE)
+        qkv, o = layer.attn.qkv, layer.attn.o
+        h = torch.empty_like(x)
+        xv = x[0].numpy()
+        decode.attention_block(xv, layer.attn_norm.weight.numpy(), a.norm_eps, qkv.w_np, qkv.b_np, o.w_np,
+                               o.b_np, layer.ffn_norm.weight.numpy(), pos, cos, sin, cache.k_np[i],
+                               cache.v_np[i], a.n_heads, a.n_kv_heads, a.head_dim, a.head_dim**-0.5, rope,
+                               h[0].numpy())
+        if isinstance(layer.ffn, DenseFFN) and layer.ffn.add_one(h[0].numpy(), xv):
+            return x
+        return layer.ffn(h, residual=x)
+
     def block(self, i: int, layer: Layer, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        if layer.fused_decode and x.shape[0] == 1 and cache.k_np is not None:
+            return self._fused_block(i, layer, x, cache, start)
         if not self.args.pre_norm:  # OPT post-norm: norm after each residual add
             x = layer.attn_norm(x + self.attention(i, layer.attn, x, cache, start))
             assert layer.ffn_norm is not None
@@ -283,7 +313,7 @@ class Model:
         T = tokens.shape[0]
         if start + T > cache.max_len:
             raise ValueError(f"cache holds {cache.max_len} positions, asked for {start + T}")
-        x = self.embed_tokens(tokens, start)
+        x = self.embed_tokens(tokens, start).contiguous()  # fresh: fused decode updates it in place
         for i, layer in enumerate(self.layers):
             x = self.block(i, layer, x, cache, start)
         cache.length = start + T

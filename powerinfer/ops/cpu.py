@@ -19,16 +19,23 @@ from numba import njit, prange
 from .numba_half import widen
 
 
+@njit(inline="always", fastmath=True)
+def row_dot(w, i, x):
+    """w[i] . x with the row widened to fp32 (fp32 accumulation)."""
+    acc = np.float32(0.0)
+    for j in range(w.shape[1]):
+        acc += widen(w[i, j]) * x[j]
+    return acc
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def gemv_kernel(w, x, bias, residual, out):
     """out = w @ x (+ bias) (+ residual); empty bias/residual arrays mean none."""
-    n, d = w.shape
+    n = w.shape[0]
     has_bias = bias.shape[0] > 0
     has_residual = residual.shape[0] > 0
     for i in prange(n):
-        acc = np.float32(0.0)
-        for j in range(d):
-            acc += widen(w[i, j]) * x[j]
+        acc = row_dot(w, i, x)
         if has_bias:
             acc += bias[i]
         if has_residual:
@@ -113,15 +120,10 @@ def act_inplace(h, act_id):
         h[i] = _act(h[i], act_id)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def attend_one(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, out):
-    """Decode attention for one token at position `pos`, all in one call.
-
-    qkv: the fused projection output [q heads | k heads | v heads]; rotates q and k with
-    interleaved RoPE (when `rope`), writes k and v into the caches (kv_heads, max_len,
-    head_dim) at `pos`, and writes softmax(q k^T * scale) v for every query head to `out`.
-    Query head h reads KV head h // (n_heads // n_kv) (GQA).
-    """
+@njit(fastmath=True, cache=True)
+def write_kv(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, rope):
+    """Rotate the token's keys (interleaved RoPE when `rope`) and store keys and values in
+    the (kv_heads, max_len, head_dim) caches at `pos`."""
     half = head_dim // 2
     q_dim = n_heads * head_dim
     kv_dim = n_kv * head_dim
@@ -139,39 +141,57 @@ def attend_one(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, sc
                 k_cache[g, pos, 2 * i + 1] = k1
         for j in range(head_dim):
             v_cache[g, pos, j] = qkv[q_dim + kv_dim + g * head_dim + j]
-    group = n_heads // n_kv
+
+
+@njit(fastmath=True, cache=True)
+def attend_head(h, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, out):
+    """softmax(q_h k^T * scale) v for query head `h` over positions [0, pos], into its slice
+    of `out`; query head h reads KV head h // (n_heads // n_kv) (GQA)."""
+    half = head_dim // 2
+    g = h // (n_heads // n_kv)
     length = pos + 1
+    q = np.empty(head_dim, dtype=np.float32)
+    for i in range(half):
+        q0 = qkv[h * head_dim + 2 * i]
+        q1 = qkv[h * head_dim + 2 * i + 1]
+        if rope:
+            c, s = cos[pos, i], sin[pos, i]
+            q[2 * i] = q0 * c - q1 * s
+            q[2 * i + 1] = q0 * s + q1 * c
+        else:
+            q[2 * i] = q0
+            q[2 * i + 1] = q1
+    scores = np.empty(length, dtype=np.float32)
+    top = np.float32(-np.inf)
+    for t in range(length):
+        acc = np.float32(0.0)
+        for j in range(head_dim):
+            acc += q[j] * k_cache[g, t, j]
+        acc *= scale
+        scores[t] = acc
+        if acc > top:
+            top = acc
+    total = np.float32(0.0)
+    for t in range(length):
+        e = np.exp(scores[t] - top)
+        scores[t] = e
+        total += e
+    o = out[h * head_dim : (h + 1) * head_dim]
+    o[:] = 0.0
+    for t in range(length):
+        p = scores[t] / total
+        for j in range(head_dim):
+            o[j] += p * v_cache[g, t, j]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def attend_one(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, out):
+    """Decode attention for one token at position `pos`, all in one call.
+
+    qkv: the fused projection output [q heads | k heads | v heads]; rotates q and k with
+    interleaved RoPE (when `rope`), writes k and v into the caches (kv_heads, max_len,
+    head_dim) at `pos`, and writes softmax(q k^T * scale) v for every query head to `out`.
+    """
+    write_kv(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, rope)
     for h in prange(n_heads):
-        g = h // group
-        q = np.empty(head_dim, dtype=np.float32)
-        for i in range(half):
-            q0 = qkv[h * head_dim + 2 * i]
-            q1 = qkv[h * head_dim + 2 * i + 1]
-            if rope:
-                c, s = cos[pos, i], sin[pos, i]
-                q[2 * i] = q0 * c - q1 * s
-                q[2 * i + 1] = q0 * s + q1 * c
-            else:
-                q[2 * i] = q0
-                q[2 * i + 1] = q1
-        scores = np.empty(length, dtype=np.float32)
-        top = np.float32(-np.inf)
-        for t in range(length):
-            acc = np.float32(0.0)
-            for j in range(head_dim):
-                acc += q[j] * k_cache[g, t, j]
-            acc *= scale
-            scores[t] = acc
-            if acc > top:
-                top = acc
-        total = np.float32(0.0)
-        for t in range(length):
-            e = np.exp(scores[t] - top)
-            scores[t] = e
-            total += e
-        o = out[h * head_dim : (h + 1) * head_dim]
-        o[:] = 0.0
-        for t in range(length):
-            p = scores[t] / total
-            for j in range(head_dim):
-                o[j] += p * v_cache[g, t, j]
+        attend_head(h, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, out)

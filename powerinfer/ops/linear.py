@@ -26,6 +26,16 @@ class Linear:
         self._b_np = None if self.bias is None or self._w_np is None else self.bias.numpy()
 
     @property
+    def w_np(self) -> np.ndarray | None:
+        """The weight as the numba kernels read it; None when they cannot (e.g. on a GPU)."""
+        return self._w_np
+
+    @property
+    def b_np(self) -> np.ndarray:
+        """The fp32 bias for the numba kernels; an empty array when there is none."""
+        return cpu.NO_BIAS if self._b_np is None else self._b_np
+
+    @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 

@@ -130,6 +130,23 @@ def test_silu_oracle_and_sparse_equal_the_instrumented_reference(silu, placement
     torch.testing.assert_close(sparse.forward(ids, sparse.new_cache(64), all_logits=True), dense, atol=2e-5, rtol=1e-5)
 
 
+def test_all_cpu_decode_takes_the_one_call_path(silu, monkeypatch):
+    """With the GPU tier empty, decode runs each FFN as one kernel call (HybridFFN.add_one),
+    not through the two-tier route; with a split it still goes through the tiers."""
+    from powerinfer.engine.hybrid import HybridFFN
+
+    ids = prompt_ids(silu.lm)[:6]
+    calls = []
+    original = HybridFFN.run_tiers
+    monkeypatch.setattr(HybridFFN, "run_tiers", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    for placement, expect_tiers in (("all_cpu", False), ("split", True)):
+        calls.clear()
+        model = load_packed(packed(silu, placement, placements(silu.hash)[placement]), mode="sparse").model
+        decode_logits(model, ids)
+        assert bool(calls) == expect_tiers, placement
+        assert model.ffn_stats.layer_calls == len(ids) * len(model.layers)
+
+
 def test_split_computes_each_active_neuron_exactly_once(silu):
     split = load_packed(packed(silu, "split", placements(silu.hash)["split"]), mode="sparse").model
     single = load_packed(packed(silu, "all_cpu", placements(silu.hash)["all_cpu"]), mode="sparse").model

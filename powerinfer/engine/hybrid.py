@@ -101,6 +101,7 @@ class Tier:
             self._np = (numpy_weights(w_gate), None if w_up is None else numpy_weights(w_up),
                         cpu.NO_BIAS if b_in is None else b_in.numpy(), numpy_weights(wt_down))
         self.all_rows = torch.arange(self.n, dtype=torch.int64)
+        self.all_rows_np = self.all_rows.numpy()
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.w_gate, self.w_up, self.b_in, self.wt_down) if t is not None]
@@ -143,6 +144,40 @@ class HybridFFN:
             return self.run_tiers(x, gpu_idx, cpu_idx, self.criterion_id, record=True, base=base)
         criterion = self.criterion_id if self.mode == "oracle" else 0
         return self.run_tiers(x, None, None, criterion, record=x.shape[0] == 1, base=base)
+
+    def add_one(self, h: np.ndarray, x: np.ndarray) -> bool:
+        """Decode fast path: x += FFN(h) in place for one fp32 token (d,), in one kernel call,
+        when the whole layer is on the CPU tier (GPU tier empty, CPU predictor). Returns False,
+        doing nothing, when it does not apply; `__call__` then takes the general route."""
+        tier = self.cpu
+        if self.gpu.n or not tier.numba or self.mode == "offload" or self.b_out is not None:
+            return False
+        if self.mode == "sparse":
+            if self.predictor is None or self.predictor.device.type != "cpu":
+                return False
+            idx = self.predictor.active_np(h)
+            criterion = self.criterion_id
+        else:
+            idx = tier.all_rows_np
+            criterion = self.criterion_id if self.mode == "oracle" else 0
+        self.stats.record(0, idx.shape[0], self.n_ff, False)
+        if self.last_layer:
+            self.stats.end_token()
+        if idx.shape[0] == 0:
+            return True
+        wg, wu, b_in, wd = tier._np
+        out = x[None]
+        if self.gated:
+            buf = np.empty((1, idx.shape[0]), dtype=np.float32)
+            sparse_cpu.gated_ffn(wg, wu, wd, h[None], idx, self.act_id, self.up_act_id, criterion,
+                                 np.float32(self.threshold), sparse_cpu.default_chunks(), buf, out, True)
+        else:
+            a = np.empty((1, idx.shape[0]), dtype=np.float32)
+            sparse_cpu.row_gemv(wg, h[None], idx if idx.shape[0] < tier.n else _ALL, b_in, self.act_id, a)
+            if criterion:
+                a[np.abs(a) <= self.threshold] = 0.0
+            sparse_cpu.col_axpy(wd, a, idx, sparse_cpu.default_chunks(), out, True)
+        return True
 
     def tensors(self) -> list[torch.Tensor]:
         extra = [] if self.predictor is None else self.predictor.tensors()
@@ -277,14 +312,17 @@ class Predictor:
         """Sorted int64 packed indices of the neurons predicted active for one token."""
         if self.device.type != "cpu":  # threshold where the logits are; only the indices travel
             return gpu.threshold_to_index(self._device_logits(x), torch.tensor(self.threshold, device=self.device)).cpu()
+        return torch.from_numpy(self.active_np(x.contiguous().numpy()[0]))
+
+    def active_np(self, x: np.ndarray) -> np.ndarray:
+        """`active` for a CPU predictor and one fp32 token (d,) as numpy, without torch."""
         w1, b1, w2, b2 = self._np
-        x_np = x.contiguous().numpy()
         if self._small:
-            return torch.from_numpy(sparse_cpu.predict_active_small(w1, b1, w2, b2, x_np[0], np.float32(self.threshold),
-                                                                    self._hidden[0], self._logits[0], _ALL))
-        sparse_cpu.row_gemv(w1, x_np, _ALL, b1, cpu.ACT_IDS["relu"], self._hidden)
+            return sparse_cpu.predict_active_small(w1, b1, w2, b2, x, np.float32(self.threshold), self._hidden[0],
+                                                   self._logits[0], _ALL)
+        sparse_cpu.row_gemv(w1, x[None], _ALL, b1, cpu.ACT_IDS["relu"], self._hidden)
         sparse_cpu.row_gemv(w2, self._hidden, _ALL, b2, -1, self._logits)
-        return torch.from_numpy(sparse_cpu.threshold_to_index(self._logits, self._thr, _ALL))
+        return sparse_cpu.threshold_to_index(self._logits, self._thr, _ALL)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.w1, self.b1, self.w2, self.b2]

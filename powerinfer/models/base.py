@@ -276,7 +276,8 @@ class Model:
                                o.b_np, layer.ffn_norm.weight.numpy(), pos, cos, sin, cache.k_np[i],
                                cache.v_np[i], a.n_heads, a.n_kv_heads, a.head_dim, a.head_dim**-0.5, rope,
                                h[0].numpy())
-        if isinstance(layer.ffn, DenseFFN) and layer.ffn.add_one(h[0].numpy(), xv):
+        add_one = getattr(layer.ffn, "add_one", None)  # DenseFFN and HybridFFN have a one-call path
+        if add_one is not None and add_one(h[0].numpy(), xv):
             return x
         return layer.ffn(h, residual=x)
 

@@ -244,6 +244,32 @@ def test_plain_ffn_families_oracle_and_sparse(tmp_path, name):
     assert 0.2 < sparse.ffn_stats.active_fraction < 0.8
 
 
+@pytest.mark.parametrize("mode", ["oracle", "offload"])
+def test_dense_parts_and_kv_cache_on_the_gpu_tier_equal_dense(relu, mode):
+    """A placement with dense_on_gpu puts attention, embeddings and LM head on the GPU tier
+    (offload: the offloaded layers' attention), --kv-on-gpu the KV cache; the GPU tier's torch
+    code then serves them (here on CPU tensors) and the model still equals the dense one."""
+    placement = {**placements(relu.hash)["split"], "dense_on_gpu": True, "baselines": {"offload": {"gpu_layers": 2}}}
+    plm = load_packed(packed(relu, "split-dense-on-gpu", placement), mode=mode, kv_on_gpu=True)
+    model = plm.model
+    expect = [True] * LAYERS if mode == "oracle" else [True, True, False]
+    assert [layer.attn.qkv.w_np is None for layer in model.layers] == expect
+    assert model.lm_head.w_np is None and model.tier.kv
+    cache = model.new_cache(4)
+    assert all(k is None for k in cache.k_np)
+    ids = prompt_ids(relu.lm)
+    dense = relu.lm.model
+    ref = dense.forward(ids, dense.new_cache(64), all_logits=True)
+    torch.testing.assert_close(model.forward(ids, model.new_cache(64), all_logits=True), ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(decode_logits(model, ids), decode_logits(dense, ids), atol=2e-5, rtol=1e-5)
+    kw = dict(max_tokens=12, temperature=0)
+    assert powerinfer.generate(plm, "The sea is", **kw) == powerinfer.generate(relu.lm, "The sea is", **kw)
+    # without --kv-on-gpu the cache stays in CPU memory (and the CPU attention kernel serves it)
+    cpu_kv = load_packed(packed(relu, "split-dense-on-gpu", placement), mode=mode).model
+    assert all(k is not None for k in cpu_kv.new_cache(4).k_np)
+    torch.testing.assert_close(decode_logits(cpu_kv, ids), decode_logits(dense, ids), atol=2e-5, rtol=1e-5)
+
+
 def test_bf16_packed_model_runs_close_to_fp32(relu):
     path = packed(relu, "all_cpu", placements(relu.hash)["all_cpu"])
     ids = prompt_ids(relu.lm)
@@ -330,6 +356,12 @@ def test_cli_pack_generate_stats_and_prepare_cache(relu, tmp_path, monkeypatch):
                 "--temperature", "0", "--stats")
     assert r.returncode == 0, r.stderr
     assert "engine: oracle, GPU tier on cpu" in r.stdout and "GPU share of neuron load" in r.stdout
+    r = run_cli("generate", "-m", relu.path, "--packed", str(out), "--mode", "oracle", "-p", "Hi", "-n", "4",
+                "--temperature", "0", "--stats", "--kv-on-gpu")
+    assert r.returncode == 0, r.stderr
+    assert "(with KV cache)" in r.stdout
+    r = run_cli("generate", "-m", relu.path, "--mode", "dense", "-p", "Hi", "--kv-on-gpu")
+    assert r.returncode == 2 and "--kv-on-gpu needs the packed engine" in r.stderr and "Traceback" not in r.stderr
     r = run_cli("generate", "-m", relu.path, "--mode", "sparse", "-p", "Hi")
     assert r.returncode == 2 and "has not been prepared" in r.stderr
     r = run_cli("generate", "--packed", str(tmp_path / "nowhere"), "-p", "Hi")

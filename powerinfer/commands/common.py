@@ -25,6 +25,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--packed", default=None, help="packed model directory (default: the one `prepare` made)")
     p.add_argument("--gpu-device", default=None,
                    help="device of the GPU tier (default: cuda when present, else a CPU-backed tier)")
+    p.add_argument("--kv-on-gpu", action="store_true",
+                   help="keep the KV cache on the GPU tier instead of in CPU memory (packed engine)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,7 +62,13 @@ def load_from_args(args: argparse.Namespace) -> LoadedModel:
             mode = "sparse" if mode == "auto" else mode
             print(f"loading the packed model {packed} (mode {mode}) ...", file=sys.stderr, flush=True)
             return load_packed(packed, mode=mode, dtype=args.dtype, threads=args.threads,
-                               gpu_device=args.gpu_device, model_hash=model_hash)
+                               gpu_device=args.gpu_device, model_hash=model_hash,
+                               kv_on_gpu=getattr(args, "kv_on_gpu", False))
+    if getattr(args, "kv_on_gpu", False):
+        if mode == "dense":
+            raise BadArgumentError("--kv-on-gpu needs the packed engine; the dense engine keeps everything on the CPU "
+                                   "(use --mode sparse, oracle or offload after `powerinfer prepare`)")
+        print("note: --kv-on-gpu has no effect with the dense engine", file=sys.stderr)
     print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
     return load(args.model, dtype=args.dtype, threads=args.threads)
 

@@ -48,6 +48,10 @@ def print_stats(r, lm=None) -> None:
     packed = getattr(lm.model, "packed", None) if lm is not None else None
     if packed:
         engine = f"{packed['mode']}, GPU tier on {packed['gpu_device']}"
+        tier = lm.model.tier
+        on_tier = [name for name, on in (("attention", any(tier.attention_on_tier(i) for i in range(len(lm.model.layers)))),
+                                         ("embeddings/LM head", tier.head), ("KV cache", tier.kv)) if on]
+        engine += f" (with {', '.join(on_tier)})" if on_tier else ""
     print(f"engine: {engine} | prefill: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | "
           f"decode: {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s | finish: {r.finish_reason}")
     stats = getattr(lm.model, "ffn_stats", None) if lm is not None else None

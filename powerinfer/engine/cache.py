@@ -1,38 +1,55 @@
-"""A preallocated KV cache: one tensor for keys, one for values, written in place."""
+"""A preallocated KV cache: per layer one tensor for keys and one for values, written in place."""
 
 from __future__ import annotations
 
 import torch
 
+from ..errors import BadArgumentError
+
 
 class KVCache:
-    """Keys and values of every layer, (layers, kv_heads, max_len, head_dim) each.
+    """Keys and values of every layer, (kv_heads, max_len, head_dim) each per layer.
 
     Preallocated once per sequence so decoding makes no per-step allocations for it;
-    `length` is the number of positions already filled.
+    `length` is the number of positions already filled. Each layer's cache lives on the
+    device given for it (CPU memory by default; the GPU tier's with `--kv-on-gpu`).
+    `k_np`/`v_np` are numpy views for the CPU decode kernels, None for a layer whose cache
+    is on the GPU tier (it is then served by torch code on that tier's device).
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
-        shape = (n_layers, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # numpy views for the CPU decode kernels (same memory)
-        self.k_np = self.k.numpy() if self.k.device.type == "cpu" else None
-        self.v_np = self.v.numpy() if self.v.device.type == "cpu" else None
+                 device: torch.device | str = "cpu", tier_device: torch.device | None = None,
+                 on_tier: list[bool] | None = None):
+        shape = (n_kv_heads, max_len, head_dim)
+        on_tier = on_tier or [False] * n_layers
+        devices = [tier_device if t and tier_device is not None else torch.device(device) for t in on_tier]
+        need = 2 * sum(n_kv_heads * max_len * head_dim for d in devices if d.type == "cuda") * dtype.itemsize
+        if need and tier_device is not None and tier_device.type == "cuda":
+            free = torch.cuda.mem_get_info(tier_device)[0]
+            if need > free:
+                raise BadArgumentError(f"the KV cache for {max_len} positions needs {need / 2**30:.2f} GiB on the GPU, "
+                                       f"{free / 2**30:.2f} GiB are free; ask for fewer tokens or drop --kv-on-gpu")
+        self.k = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
+        self.v = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
+        self.k_np = [None if t or k.device.type != "cpu" else k.numpy() for t, k in zip(on_tier, self.k)]
+        self.v_np = [None if t or v.device.type != "cpu" else v.numpy() for t, v in zip(on_tier, self.v)]
         self.max_len = max_len
         self.length = 0
+
+    def device(self, layer: int) -> torch.device:
+        return self.k[layer].device
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (T, kv_heads, head_dim) at [start, start+T); return the filled views."""
         end = start + k.shape[0]
-        self.k[layer, :, start:end] = k.transpose(0, 1)
-        self.v[layer, :, start:end] = v.transpose(0, 1)
-        return self.k[layer, :, :end], self.v[layer, :, :end]
+        dev = self.k[layer].device
+        self.k[layer][:, start:end] = k.transpose(0, 1).to(dev)
+        self.v[layer][:, start:end] = v.transpose(0, 1).to(dev)
+        return self.k[layer][:, :end], self.v[layer][:, :end]
 
     def truncate(self, length: int) -> None:
         """Forget positions from `length` on (the data stays; it is overwritten later)."""
         self.length = min(self.length, length)
 
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in self.k + self.v)

@@ -2,8 +2,9 @@
 
 The GPU tier is the CUDA device when there is one; without one it is a second set of CPU
 tensors computed by the GPU tier's torch code on its own executor thread, so every code
-path runs (and is tested) on a CPU-only machine. Attention, embeddings, norms, the LM head
-and the KV cache run on the CPU in this version, whatever the placement says about them.
+path runs (and is tested) on a CPU-only machine. The dense parts the placement puts on the
+GPU (attention projections, embeddings, LM head) and, with `--kv-on-gpu`, the KV cache go to
+that tier too; norms and the residual stream stay on the CPU.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from ..errors import BadArgumentError, PowerInferError
 from ..loader import LoadedModel, parse_dtype, set_threads
 from ..manifest import read_manifest as read_json_manifest
-from ..models.base import Model, ModelArgs
+from ..models.base import DenseTier, Model, ModelArgs
 from ..offline.pack import FORMAT, FORMAT_VERSION, SHARDS
 from ..ops.memory import on_huge_pages
 from ..paths import content_hash
@@ -101,8 +102,13 @@ def resolve_gpu_device(gpu_device: str | None) -> torch.device:
 
 def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp32", threads: int | None = None,
                 gpu_device: str | None = None, model_hash: str | None = None,
-                with_tokenizer: bool = True) -> LoadedModel:
+                with_tokenizer: bool = True, kv_on_gpu: bool = False) -> LoadedModel:
     """Load the packed model at `path` for `mode` (sparse, oracle, dense or offload).
+
+    Dense parts follow the placement: with `dense_on_gpu` the attention projections, the
+    embeddings and the LM head go to the GPU tier (in offload mode: the attention of the
+    offloaded layers); `kv_on_gpu` puts the KV cache there too. Norms and the residual
+    stream stay on the CPU.
 
     Refuses, with one clear message, directories that are not packed models, shards that are
     truncated or corrupt, tensors that do not match the manifest's shapes, a packed model made
@@ -169,9 +175,15 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-tier") if any_gpu else None
     for f in ffns:
         f.executor = executor
-    model = Model(args, dense_state, torch_dtype, ffns=ffns)
+    dense_on_gpu = bool(manifest["placement"].get("dense_on_gpu", False))
+    attention = [i < offload_layers for i in range(args.n_layers)] if mode == "offload" else dense_on_gpu
+    on_tier = dense_on_gpu or kv_on_gpu or (mode == "offload" and offload_layers > 0)
+    tier = DenseTier(device=dev if on_tier else None, dtype=torch_dtype if dev.type == "cpu" else _gpu_dtype(torch_dtype),
+                     attention=attention, head=dense_on_gpu, kv=kv_on_gpu)
+    model = Model(args, dense_state, torch_dtype, ffns=ffns, tier=tier)
     model.ffn_stats = stats
-    model.packed = {"path": path, "mode": mode, "gpu_device": str(dev), "manifest": manifest}
+    model.packed = {"path": path, "mode": mode, "gpu_device": str(dev), "manifest": manifest,
+                    "kv_on_gpu": kv_on_gpu}
     tokenizer = None
     tok_dir = os.path.join(path, "tokenizer")
     if with_tokenizer and os.path.isdir(tok_dir):

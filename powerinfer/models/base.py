@@ -69,6 +69,29 @@ class ModelArgs:
 
 
 @dataclass
+class DenseTier:
+    """Which dense parts a packed model's placement puts on the GPU tier (`device`; None:
+    everything on the CPU): the attention projections of the layers in `attention` (all when
+    True), the embeddings and LM head (`head`), the KV cache (`kv`, for `--kv-on-gpu`).
+    Norms and the residual stream stay on the CPU; `dtype` is the tier's weight dtype."""
+
+    device: torch.device | None = None
+    dtype: torch.dtype | None = None
+    attention: bool | list[bool] = False
+    head: bool = False
+    kv: bool = False
+
+    def attention_on_tier(self, layer: int) -> bool:
+        if self.device is None:
+            return False
+        return self.attention if isinstance(self.attention, bool) else self.attention[layer]
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            self.head = self.kv = False
+
+
+@dataclass
 class Norm:
     """RMSNorm or LayerNorm with optional weight and bias."""
 
@@ -131,23 +154,31 @@ class Model:
     """
 
     def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                 ffns: list[FFN] | None = None):
+                 ffns: list[FFN] | None = None, tier: "DenseTier | None" = None):
         """`ffns`: one FFN per layer to use instead of building `DenseFFN`s from the state
-        (the packed hybrid engine brings its own)."""
+        (the packed hybrid engine brings its own). `tier`: which dense parts (attention
+        projections, embeddings and LM head, KV cache) live on the GPU tier."""
         self.args = args
         self.dtype = dtype
+        self.tier = tier or DenseTier()
+        t = self.tier
 
-        def get(name: str) -> torch.Tensor | None:
-            t = state.get(name)
-            return None if t is None else t.to(dtype).contiguous()
+        def get(name: str, on_tier: bool = False) -> torch.Tensor | None:
+            w = state.get(name)
+            if w is None:
+                return None
+            if on_tier:
+                return w.to(device=t.device, dtype=t.dtype or dtype).contiguous()
+            return w.to(dtype).contiguous()
 
-        def get32(name: str) -> torch.Tensor | None:
-            t = state.get(name)
-            return None if t is None else t.float().contiguous()
+        def get32(name: str, on_tier: bool = False) -> torch.Tensor | None:
+            w = state.get(name)
+            return None if w is None else w.float().to(t.device if on_tier else "cpu").contiguous()
 
-        def linear(name: str, bias: str | None = None) -> Linear | None:
-            w = get(name)
-            return None if w is None else Linear(w, get32(bias) if bias else None)
+        def linear(name: str, bias: str | None = None, on_tier: bool = False) -> Linear | None:
+            w = get(name, on_tier)
+            # on the GPU tier the torch code runs, also when that tier is CPU tensors (tests)
+            return None if w is None else Linear(w, get32(bias, on_tier) if bias else None, kernels=not on_tier)
 
         def norm(prefix: str) -> Norm | None:
             w, b = get32(prefix + ".weight"), get32(prefix + ".bias")
@@ -155,12 +186,12 @@ class Model:
                 return None
             return Norm(args.norm, w, b, args.norm_eps)
 
-        self.embed = get("embed")
+        self.embed = get("embed", t.head)
         self.pos_embed = get32("pos_embed")
         self.project_in = linear("project_in")
         self.project_out = linear("project_out")
         self.final_norm = norm("final_norm") if args.final_norm else None
-        self.lm_head = Linear(self.embed) if args.tie_embeddings else linear("lm_head")
+        self.lm_head = Linear(self.embed, kernels=not t.head) if args.tie_embeddings else linear("lm_head", on_tier=t.head)
         self.layers: list[Layer] = []
         for i in range(args.n_layers):
             p = f"layers.{i}."
@@ -173,7 +204,8 @@ class Model:
                 gated=args.gated_ffn,
                 up_act=args.up_act,
             )
-            attn = Attention(linear(p + "wqkv", p + "bqkv"), linear(p + "wo", p + "bo"))
+            on_tier = t.attention_on_tier(i)
+            attn = Attention(linear(p + "wqkv", p + "bqkv", on_tier), linear(p + "wo", p + "bo", on_tier))
             layer = Layer(attn_norm, attn, norm(p + "ffn_norm"), ffn)
             layer.fused_decode = self._can_fuse(layer)
             self.layers.append(layer)
@@ -201,13 +233,15 @@ class Model:
         return self._rope
 
     def new_cache(self, max_len: int) -> KVCache:
-        """A KV cache for up to `max_len` positions, in CPU memory."""
+        """A KV cache for up to `max_len` positions: in CPU memory, or on the GPU tier for
+        `--kv-on-gpu`."""
         a = self.args
-        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len, torch.float32)
+        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len, torch.float32, tier_device=self.tier.device,
+                       on_tier=[self.tier.kv] * a.n_layers)
 
     # -- forward -------------------------------------------------------------------------
     def embed_tokens(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        x = F.embedding(tokens, self.embed).float()
+        x = F.embedding(tokens.to(self.embed.device), self.embed).float().cpu()  # the residual stream is on the CPU
         if self.project_in is not None:
             x = self.project_in(x)
         if self.pos_embed is not None:
@@ -216,23 +250,33 @@ class Model:
         return x
 
     def attention(self, layer_idx: int, attn: Attention, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """The attention block's output for x (T, d) on x's device. Projections run where their
+        weights are, the attention itself where the layer's KV cache is (both may be the GPU
+        tier's device)."""
+        w_dev, kv_dev = attn.qkv.weight.device, cache.device(layer_idx)
+        qkv = attn.qkv(x.to(w_dev)).to(kv_dev)
+        if x.shape[0] == 1 and cache.k_np[layer_idx] is not None:
+            out = self._attend_one(layer_idx, qkv[0], cache, start).unsqueeze(0)
+        else:
+            out = self._attend_torch(layer_idx, qkv, cache, start)
+        return attn.o(out.to(w_dev)).to(x.device)
+
+    def _attend_torch(self, layer_idx: int, qkv: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """softmax(q k^T) v for T tokens with torch ops on the cache's device (prefill, GPU tier)."""
         a = self.args
-        T = x.shape[0]
-        qkv = attn.qkv(x)
-        if T == 1 and qkv.device.type == "cpu":
-            return attn.o(self._attend_one(layer_idx, qkv[0], cache, start).unsqueeze(0))
+        T, dev = qkv.shape[0], qkv.device
         q = qkv[:, : a.q_dim].view(T, a.n_heads, a.head_dim)
         k = qkv[:, a.q_dim : a.q_dim + a.kv_dim].view(T, a.n_kv_heads, a.head_dim)
         v = qkv[:, a.q_dim + a.kv_dim :].view(T, a.n_kv_heads, a.head_dim)
         if a.position == "rope":
-            rot = self.rope_table(start + T)[start : start + T, None, :]
+            rot = self.rope_table(start + T)[start : start + T, None, :].to(dev)
             q = _rotate(q, rot)
             k = _rotate(k, rot)
         keys, values = cache.update(layer_idx, start, k, v)
         S = start + T
         mask = None
         if T > 1 and start > 0:
-            mask = torch.arange(S)[None, :] <= (start + torch.arange(T))[:, None]
+            mask = torch.arange(S, device=dev)[None, :] <= (start + torch.arange(T, device=dev))[:, None]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             keys.unsqueeze(0),
@@ -241,8 +285,7 @@ class Model:
             is_causal=T > 1 and start == 0,
             enable_gqa=a.n_heads != a.n_kv_heads,
         )
-        out = out[0].transpose(0, 1).reshape(T, a.q_dim)
-        return attn.o(out)
+        return out[0].transpose(0, 1).reshape(T, a.q_dim)
 
     def _attend_one(self, layer_idx: int, qkv: torch.Tensor, cache: KVCache, pos: int) -> torch.Tensor:
         """Decode attention in one numba call: RoPE, cache write, softmax(qk)v for all heads."""
@@ -282,7 +325,7 @@ class Model:
         return layer.ffn(h, residual=x)
 
     def block(self, i: int, layer: Layer, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
-        if layer.fused_decode and x.shape[0] == 1 and cache.k_np is not None:
+        if layer.fused_decode and x.shape[0] == 1 and cache.k_np[i] is not None:
             return self._fused_block(i, layer, x, cache, start)
         if not self.args.pre_norm:  # OPT post-norm: norm after each residual add
             x = layer.attn_norm(x + self.attention(i, layer.attn, x, cache, start))
@@ -302,7 +345,7 @@ class Model:
             x = self.final_norm(x)
         if self.project_out is not None:
             x = self.project_out(x)
-        return self.lm_head(x)
+        return self.lm_head(x.to(self.lm_head.weight.device)).cpu()
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, all_logits: bool = False) -> torch.Tensor:

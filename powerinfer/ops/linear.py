@@ -19,10 +19,11 @@ from .numba_half import numpy_weights
 class Linear:
     """A weight (out, in) and optional bias, callable on (T, in) fp32 activations."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, kernels: bool = True):
+        """`kernels=False`: always the torch route (the GPU tier's code, also on CPU tensors)."""
         self.weight = on_huge_pages(weight.contiguous())
         self.bias = None if bias is None else bias.float().contiguous()
-        self._w_np = numpy_weights(self.weight) if cpu.supports(self.weight) else None
+        self._w_np = numpy_weights(self.weight) if kernels and cpu.supports(self.weight) else None
         self._b_np = None if self.bias is None or self._w_np is None else self.bias.numpy()
 
     @property

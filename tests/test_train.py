@@ -149,3 +149,35 @@ def test_magnitude_weighting_spends_a_small_predictor_on_the_strong_activations(
     assert captured(weighted) > 0.9 and captured(weighted) > captured(plain) + 0.2, (captured(weighted), captured(plain))
     w = magnitude_weights(score, y, 20.0)
     assert torch.all(w[~y] == 1) and abs(float(w[y].mean()) - 1) < 0.2 and float(w[y].max()) <= 20
+
+
+def test_rare_heavy_neuron_is_made_always_on(tmp_path):
+    """Neuron 0 fires at random (no input predicts it) on 5% of tokens but carries most of the
+    activation mass; the others follow the input. Count recall alone would let it go, losing
+    the mass; forcing makes it always-on, recall and mass recall both reach their targets,
+    and the choice survives saving and loading."""
+    from powerinfer.offline.train import ALWAYS_ON, size_layer
+
+    g = torch.Generator().manual_seed(0)
+    n, d, n_ff = 4000, 16, 64
+    x = torch.randn(n, d, generator=g)
+    w = torch.randn(n_ff, d, generator=torch.Generator().manual_seed(5))
+    y = x @ w.t() > 0
+    y[:, 0] = torch.rand(n, generator=g) < 0.05
+    score = y.float()
+    score[:, 0] *= 5000.0
+    # magnitude_cap 1: training itself ignores the scores, so only the forcing can save the mass
+    s = TrainSettings(recall=0.9, r_min=4, r_max=8, epochs=15, seed=0, mass_recall=0.98, max_forced=0.05,
+                      magnitude_cap=1.0)
+    tried = size_layer(x, y, 0.5, 0.0, s, score=score)
+    p = next(iter(tried.values()))
+    assert p.forced == [0] and float(p.b2[0]) == ALWAYS_ON
+    assert p.mass_recall >= 0.98 and p.recall >= 0.9
+    assert bool(p.active(torch.randn(50, d)).all(0)[0])
+    off = size_layer(x, y, 0.5, 0.0, TrainSettings(**{**s.__dict__, "mass_recall": 0.0}), score=score)
+    q = next(iter(off.values()))
+    assert q.forced == [] and q.mass_recall < 0.9  # what the forcing fixed
+    preds = Predictors([p], {"model_hash": "m" * 32, "profile_hash": "p"})
+    preds.save(str(tmp_path / "preds"))
+    back = Predictors.load(str(tmp_path / "preds")).layers[0]
+    assert back.forced == [0] and back.mass_recall == p.mass_recall

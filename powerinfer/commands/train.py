@@ -28,6 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--magnitude-power", type=float, default=1.0,
                    help="misses weigh (score / mean score)^P (default 1; 2 favours strong activations more)")
     p.add_argument("--magnitude-cap", type=float, default=20.0, help="largest miss weight (default 20)")
+    p.add_argument("--mass-recall", type=float, default=0.98,
+                   help="make the heaviest-missed neurons always-on until each layer keeps this share of the "
+                        "activation mass (default 0.98; 0 = off; not with --unweighted)")
+    p.add_argument("--max-forced", type=float, default=0.02,
+                   help="at most this share of a layer's neurons made always-on (default 0.02)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", default=None, help="output directory (default: the model's cache dir)")
     p.add_argument("--force", action="store_true", help="overwrite predictors in --output")
@@ -45,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
         raise BadArgumentError("--recall must be in (0, 1)")
     if args.magnitude_power <= 0 or args.magnitude_cap < 1:
         raise BadArgumentError("--magnitude-power must be > 0 and --magnitude-cap >= 1")
+    if not 0 <= args.mass_recall <= 1 or not 0 <= args.max_forced <= 1:
+        raise BadArgumentError("--mass-recall and --max-forced must be in [0, 1]")
     if not 0 < args.budget <= 1:
         raise BadArgumentError("--budget must be in (0, 1]")
     lm = load_from_args(args)
@@ -72,15 +79,18 @@ def run(args: argparse.Namespace) -> int:
         raise BadArgumentError(f"{out} already holds predictors; pass --force to overwrite them")
     settings = TrainSettings(recall=args.recall, recall_margin=args.recall_margin, budget=args.budget,
                              tolerance=args.tolerance, epochs=args.epochs, seed=args.seed,
-                             magnitude_power=args.magnitude_power, magnitude_cap=args.magnitude_cap)
+                             magnitude_power=args.magnitude_power, magnitude_cap=args.magnitude_cap,
+                             mass_recall=args.mass_recall, max_forced=args.max_forced)
     scores = None if args.unweighted else model_scores(lm.model, profile.criterion)
     preds = train_predictors(profile, lm.model.num_parameters(), settings, scores)
     preds.save(out)
-    print("| layer | rank | threshold | recall | precision | predicted sparsity | true sparsity |")
-    print("|---|---|---|---|---|---|---|")
+    print("| layer | rank | threshold | recall | mass recall | always-on | precision | predicted sparsity "
+          "| true sparsity |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for i, p in enumerate(preds.layers):
-        print(f"| {i} | {p.rank} | {p.threshold:.3f} | {p.recall:.3f} | {p.precision:.3f} | "
-              f"{p.predicted_sparsity:.3f} | {p.true_sparsity:.3f} |")
+        mass = "-" if p.mass_recall is None else f"{p.mass_recall:.3f}"
+        print(f"| {i} | {p.rank} | {p.threshold:.3f} | {p.recall:.3f} | {mass} | {len(p.forced)} | "
+              f"{p.precision:.3f} | {p.predicted_sparsity:.3f} | {p.true_sparsity:.3f} |")
     m = preds.manifest
     print(f"\npredictors: {m['predictor_params']} parameters = {m['param_ratio']:.2%} of the model's "
           f"{m['model_params']}; wrote {out}")

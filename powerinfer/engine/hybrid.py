@@ -301,6 +301,7 @@ class Predictor:
             self._logits = np.empty((1, self.w2.shape[0]), dtype=np.float32)
             self._thr = np.array([self.threshold], dtype=np.float32)
             self._small = self.w1.numel() + self.w2.numel() <= SMALL_PREDICTOR
+            self._w2t = self.w2.t().contiguous().numpy() if self._small else None  # (rank, n) for the serial path
 
     def _device_logits(self, x: torch.Tensor) -> torch.Tensor:
         return gpu.predictor_logits(self.w1, self.b1, self.w2, self.b2, x.to(self.device))
@@ -318,7 +319,7 @@ class Predictor:
         """`active` for a CPU predictor and one fp32 token (d,) as numpy, without torch."""
         w1, b1, w2, b2 = self._np
         if self._small:
-            return sparse_cpu.predict_active_small(w1, b1, w2, b2, x, np.float32(self.threshold), self._hidden[0],
+            return sparse_cpu.predict_active_small(w1, b1, self._w2t, b2, x, np.float32(self.threshold), self._hidden[0],
                                                    self._logits[0], _ALL)
         sparse_cpu.row_gemv(w1, x[None], _ALL, b1, cpu.ACT_IDS["relu"], self._hidden)
         sparse_cpu.row_gemv(w2, self._hidden, _ALL, b2, -1, self._logits)

@@ -70,7 +70,7 @@ def prepare(model_path: str | None, s: PrepareSettings, lm=None) -> str:
         raise BadArgumentError(f"VRAM budget {budget / 2**30:.2f} GiB is not within the {hw.name}'s "
                                f"{hw.gpu_memory / 2**30:.2f} GiB")
     packed_dir = default_packed_dir(model_hash)
-    request = {"hardware": hw.name, "budget": budget, "dtype": s.dtype, "predictor_loss": "magnitude-weighted"}
+    request = {"hardware": hw.name, "budget": budget, "dtype": s.dtype, "predictor_loss": "magnitude-weighted, heavy misses forced"}
     if _packed_is_current(packed_dir, model_hash, cache, request):
         _log(f"{packed_dir} is up to date ({hw.name}, budget {budget} bytes, {s.dtype})")
         return packed_dir
@@ -174,7 +174,9 @@ def _predictors(lm, profile: Profile, cache, model_hash: str, s: PrepareSettings
     profile_hash = file_hash(os.path.join(profile.path, "stats.safetensors"))
     try:
         preds = Predictors.load(out, model_hash, profile_hash)
-        if preds.manifest.get("magnitude_weighted") and preds.manifest.get("settings", {}).get("recall") == s.recall:
+        trained = preds.manifest.get("settings", {})
+        if (preds.manifest.get("magnitude_weighted") and trained.get("recall") == s.recall
+                and trained.get("mass_recall") == TrainSettings.mass_recall):
             _log(f"reusing the predictors in {out}")
             return preds
     except PowerInferError:

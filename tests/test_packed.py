@@ -147,6 +147,19 @@ def test_all_cpu_decode_takes_the_one_call_path(silu, monkeypatch):
         assert model.ffn_stats.layer_calls == len(ids) * len(model.layers)
 
 
+@pytest.mark.parametrize("placement", ["all_cpu", "split"])
+def test_relu7b_calibration_reaches_the_target_share(silu, placement):
+    """bench relu7b shifts planted predictors until the sparse model computes the target share
+    of neurons; it must see the predictor on every decode route (one-call and two-tier)."""
+    from powerinfer.bench.relu7b import calibrate_active_share
+
+    model = load_packed(packed(silu, placement, placements(silu.hash)[placement]), mode="sparse").model
+    calibrate_active_share(model, 0.3, passes=2, n=8)
+    model.ffn_stats.reset()
+    decode_logits(model, prompt_ids(silu.lm))
+    assert abs(model.ffn_stats.active_fraction - 0.3) < 0.12, model.ffn_stats.active_fraction
+
+
 def test_split_computes_each_active_neuron_exactly_once(silu):
     split = load_packed(packed(silu, "split", placements(silu.hash)["split"]), mode="sparse").model
     single = load_packed(packed(silu, "all_cpu", placements(silu.hash)["all_cpu"]), mode="sparse").model

@@ -142,16 +142,16 @@ def calibrate_active_share(sparse, target: float, passes: int = 3, n: int = 24) 
         for i, layer in enumerate(sparse.layers):
             p = layer.ffn.predictor
 
-            def recording(x, p=p, i=i):
-                idx = type(p).active(p, x)
+            def recording(x, p=p, i=i):  # every decode route ends in active_np
+                idx = type(p).active_np(p, x)
                 records[i].append(p._logits.copy())
                 return idx
-            p.active = recording
+            p.active_np = recording
         decode_speed(sparse, n)
         for i, layer in enumerate(sparse.layers):
             p = layer.ffn.predictor
-            del p.active
-            shift = float(np.quantile(np.concatenate(records[i]), 1 - target))
+            del p.active_np
+            shift = float(np.quantile(np.concatenate(records[i]), 1 - target)) - p.threshold
             p.b2.sub_(shift)  # the numba path reads the same memory
 
 

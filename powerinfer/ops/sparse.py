@@ -49,6 +49,13 @@ def _weights(w: torch.Tensor, name: str) -> np.ndarray:
     return numpy_weights(w.contiguous())
 
 
+def _idx(idx: torch.Tensor) -> np.ndarray:
+    """Indices as int64 for the kernels: widening int32 here costs a copy of k integers (about
+    a microsecond) and lets every kernel compile one specialisation per weight dtype instead
+    of two, which is most of what a first run (and a clean CI run) spends compiling."""
+    return idx.numpy().astype(np.int64, copy=False)
+
+
 def _f32(x: torch.Tensor) -> np.ndarray:
     return x.detach().float().contiguous().numpy()
 
@@ -70,7 +77,7 @@ def sparse_row_gemv(w: torch.Tensor, x: torch.Tensor, idx: torch.Tensor, bias: t
     _set_threads(threads)
     out = np.empty((x2.shape[0], idx.shape[0]), dtype=np.float32)
     if idx.shape[0]:
-        sparse_cpu.row_gemv(_weights(w, "w"), _f32(x2), idx.numpy(), NO_BIAS if bias is None else _f32(bias),
+        sparse_cpu.row_gemv(_weights(w, "w"), _f32(x2), _idx(idx), NO_BIAS if bias is None else _f32(bias),
                             ACT_IDS[act] if act else -1, out)
     y = torch.from_numpy(out)
     return y[0] if squeeze else y
@@ -90,7 +97,7 @@ def sparse_col_axpy(wt: torch.Tensor, a: torch.Tensor, idx: torch.Tensor, *, che
     _set_threads(threads)
     out = np.zeros((a2.shape[0], wt.shape[1]), dtype=np.float32)
     if idx.shape[0]:
-        sparse_cpu.col_axpy(_weights(wt, "wt"), _f32(a2), idx.numpy(), sparse_cpu.default_chunks(), out, False)
+        sparse_cpu.col_axpy(_weights(wt, "wt"), _f32(a2), _idx(idx), sparse_cpu.default_chunks(), out, False)
     y = torch.from_numpy(out)
     return y[0] if squeeze else y
 
@@ -120,7 +127,7 @@ def sparse_gated_ffn(w_gate: torch.Tensor, w_up: torch.Tensor, wt_down: torch.Te
         h_np = np.zeros((x2.shape[0], idx.shape[0]), dtype=np.float32)
         if idx.shape[0]:
             sparse_cpu.gated_ffn(_weights(w_gate, "w_gate"), _weights(w_up, "w_up"), _weights(wt_down, "wt_down"),
-                                 _f32(x2), idx.numpy(), ACT_IDS[act], ACT_IDS[up_act] if up_act else -1,
+                                 _f32(x2), _idx(idx), ACT_IDS[act], ACT_IDS[up_act] if up_act else -1,
                                  CRITERIA[criterion], np.float32(threshold), sparse_cpu.default_chunks(), h_np,
                                  out_np, False)
         out, h = torch.from_numpy(out_np), torch.from_numpy(h_np)

@@ -172,6 +172,22 @@ def _axpy_nonzero(wt, r, s, acc_row, rows, coefs, n):
     return n
 
 
+@njit(fastmath=True, cache=True)
+def _down_chunk(wt, idx, coefs, lo, hi, acc_row, sequential):
+    """acc_row += sum over k in [lo, hi) of coefs[k] * wt[idx[k]], zero coefficients skipped:
+    sequentially for dense-ish short rows, else in eight-row blocks. A called function, not
+    inlined: col_axpy and both gated_ffn routes share one compiled copy (compile time)."""
+    if sequential:
+        _axpy_rows_sequential(wt, idx, coefs, lo, hi, acc_row)
+        return
+    rows = np.empty(AXPY_BLOCK, dtype=np.int64)
+    blk = np.empty(AXPY_BLOCK, dtype=np.float32)
+    n = 0
+    for kk in range(lo, hi):
+        n = _axpy_nonzero(wt, np.int64(idx[kk]), coefs[kk], acc_row, rows, blk, n)
+    _axpy_block(wt, rows, blk, n, acc_row)
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def col_axpy(wt, a, idx, n_chunks, out, accumulate):
     """out[t] (+)= sum_k a[t, k] * Wt[idx[k]]; zero coefficients skip their row."""
@@ -180,17 +196,9 @@ def col_axpy(wt, a, idx, n_chunks, out, accumulate):
     acc = np.zeros((n_chunks, T, d), dtype=np.float32)
     sequential = _sequential_axpy(wt, k)
     for c in prange(n_chunks):
-        rows = np.empty(AXPY_BLOCK, dtype=np.int64)
-        coefs = np.empty(AXPY_BLOCK, dtype=np.float32)
         lo, hi = c * k // n_chunks, (c + 1) * k // n_chunks
         for t in range(T):
-            if sequential:
-                _axpy_rows_sequential(wt, idx, a[t], lo, hi, acc[c, t])
-                continue
-            n = 0
-            for kk in range(lo, hi):
-                n = _axpy_nonzero(wt, np.int64(idx[kk]), a[t, kk], acc[c, t], rows, coefs, n)
-            _axpy_block(wt, rows, coefs, n, acc[c, t])
+            _down_chunk(wt, idx, a[t], lo, hi, acc[c, t], sequential)
     _reduce_chunks(acc, out, accumulate)
 
 
@@ -239,27 +247,18 @@ def gated_ffn(w_gate, w_up, wt_down, x, idx, act_id, up_act_id, criterion, thres
             for t in range(T):
                 h[t, kk] = _neuron_value(w_gate, w_up, r, x[t], act_id, up_act_id, criterion, threshold)
         for c in prange(n_chunks):
-            rows = np.empty(AXPY_BLOCK, dtype=np.int64)
-            coefs = np.empty(AXPY_BLOCK, dtype=np.float32)
             lo, hi = c * k // n_chunks, (c + 1) * k // n_chunks
             for t in range(T):
-                if sequential_down:
-                    _axpy_rows_sequential(wt_down, idx, h[t], lo, hi, acc[c, t])
-                    continue
-                n = 0
-                for kk in range(lo, hi):
-                    n = _axpy_nonzero(wt_down, np.int64(idx[kk]), h[t, kk], acc[c, t], rows, coefs, n)
-                _axpy_block(wt_down, rows, coefs, n, acc[c, t])
+                _down_chunk(wt_down, idx, h[t], lo, hi, acc[c, t], sequential_down)
         _reduce_chunks(acc, out, accumulate)
         return
     for c in prange(n_chunks):
-        rows = np.empty(AXPY_BLOCK, dtype=np.int64)
-        coefs = np.empty(AXPY_BLOCK, dtype=np.float32)
+        rows = np.empty(ROW_BLOCK, dtype=np.int64)
         ups = np.empty(ROW_BLOCK, dtype=np.float32)
         lo, hi = c * k // n_chunks, (c + 1) * k // n_chunks
         for k0 in range(lo, hi, ROW_BLOCK):
             k1 = min(k0 + ROW_BLOCK, hi)
-            full = k1 - k0 == ROW_BLOCK and not sequential
+            full = k1 - k0 == ROW_BLOCK
             if full:
                 for i in range(ROW_BLOCK):
                     rows[i] = np.int64(idx[k0 + i])
@@ -287,13 +286,7 @@ def gated_ffn(w_gate, w_up, wt_down, x, idx, act_id, up_act_id, criterion, thres
                         v = np.float32(0.0)
                     h[t, kk] = v
         for t in range(T):
-            if sequential_down:
-                _axpy_rows_sequential(wt_down, idx, h[t], lo, hi, acc[c, t])
-                continue
-            n = 0
-            for kk in range(lo, hi):
-                n = _axpy_nonzero(wt_down, np.int64(idx[kk]), h[t, kk], acc[c, t], rows, coefs, n)
-            _axpy_block(wt_down, rows, coefs, n, acc[c, t])
+            _down_chunk(wt_down, idx, h[t], lo, hi, acc[c, t], sequential_down)
     _reduce_chunks(acc, out, accumulate)
 
 

@@ -387,10 +387,23 @@ def test_cli_pack_generate_stats_and_prepare_cache(relu, tmp_path, monkeypatch):
     r = run_cli("prepare", "-m", relu.path, "--prompts", "8", "--heldout", "2", "--max-tokens", "32",
                 "--target-sparsity", "0.3")
     assert r.returncode == 0 and "up to date" in r.stderr and "profiling" not in r.stderr
+    # predictors replaced in the cache since (as `powerinfer train` does): prepare repacks with them
+    from powerinfer.offline.train import Predictors
+    from powerinfer.paths import model_cache_dir
+
+    pdir = str(model_cache_dir(relu.hash) / "predictors")
+    preds = Predictors.load(pdir)
+    preds.layers[0].threshold += 0.25
+    preds.save(pdir)
+    r = run_cli("prepare", "-m", relu.path, "--prompts", "8", "--heldout", "2", "--max-tokens", "32",
+                "--target-sparsity", "0.3")
+    assert r.returncode == 0 and "up to date" not in r.stderr and "reusing the predictors" in r.stderr
     from powerinfer.engine.packed import read_manifest
     from powerinfer.offline.prepare import default_packed_dir
 
-    check = read_manifest(default_packed_dir(relu.hash))["check"]
+    repacked = read_manifest(default_packed_dir(relu.hash))
+    assert repacked["layers"][0]["predictor"]["threshold"] == pytest.approx(preds.layers[0].threshold)
+    check = repacked["check"]
     assert check["auto_mode"] in ("sparse", "dense") and set(check["tokens_per_s"]) == {"dense", "sparse"}
     r = run_cli("generate", "-m", relu.path, "-p", "Hi", "-n", "4", "--temperature", "0", "--stats")
     assert r.returncode == 0, r.stderr

@@ -28,11 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--magnitude-power", type=float, default=1.0,
                    help="misses weigh (score / mean score)^P (default 1; 2 favours strong activations more)")
     p.add_argument("--magnitude-cap", type=float, default=20.0, help="largest miss weight (default 20)")
-    p.add_argument("--mass-recall", type=float, default=0.98,
+    p.add_argument("--mass-recall", type=float, default=0.99,
                    help="make the heaviest-missed neurons always-on until each layer keeps this share of the "
-                        "activation mass (default 0.98; 0 = off; not with --unweighted)")
-    p.add_argument("--max-forced", type=float, default=0.02,
-                   help="at most this share of a layer's neurons made always-on (default 0.02)")
+                        "activation mass (default 0.99; 0 = off; not with --unweighted)")
+    p.add_argument("--max-forced", type=float, default=0.05,
+                   help="at most this share of a layer's neurons made always-on (default 0.05)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", default=None, help="output directory (default: the model's cache dir)")
     p.add_argument("--force", action="store_true", help="overwrite predictors in --output")

@@ -87,6 +87,7 @@ def prepare(model_path: str | None, s: PrepareSettings, lm=None) -> str:
     _log(f"packing into {packed_dir}")
     manifest = pack_model(path, packed_dir, profile, predictors, placement, s.dtype, force=True)
     manifest["prepare_request"] = request
+    manifest["predictors_hash"] = _predictors_hash(cache)
     manifest["placement"]["hardware"] = hw.name
     manifest["check"] = check_sparse(lm, packed_dir, profile, predictors, s)
     with open(os.path.join(packed_dir, "manifest.json"), "w") as f:
@@ -129,7 +130,17 @@ def check_sparse(lm, packed_dir: str, profile: Profile, predictors, s: PrepareSe
     return {"tokens_per_s": tps, "perplexity": ppl, "auto_mode": mode, "quality_slack": QUALITY_SLACK}
 
 
+def _predictors_hash(cache) -> str | None:
+    """The cached predictors' identity: their tensors and their manifest (thresholds live there)."""
+    from .train import file_hash
+
+    files = [cache / "predictors" / "predictors.safetensors", cache / "predictors" / "manifest.json"]
+    return "-".join(file_hash(str(f)) for f in files) if all(f.is_file() for f in files) else None
+
+
 def _packed_is_current(packed_dir: str, model_hash: str, cache, request: dict) -> bool:
+    """Whether the packed model was made by this request from the cached profile and the
+    cached predictors as they are now (`powerinfer train` may have replaced them since)."""
     from .train import file_hash
 
     try:
@@ -138,7 +149,8 @@ def _packed_is_current(packed_dir: str, model_hash: str, cache, request: dict) -
         stats = cache / "profile" / "stats.safetensors"
         return (m.get("source", {}).get("hash") == model_hash and m.get("prepare_request") == request
                 and stats.is_file() and m.get("profile_hash") == file_hash(str(stats))
-                and m.get("predictors") is not None and m.get("check") is not None)
+                and m.get("predictors") is not None and m.get("check") is not None
+                and m.get("predictors_hash") is not None and m.get("predictors_hash") == _predictors_hash(cache))
     except (OSError, ValueError):
         return False
 

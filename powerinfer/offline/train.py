@@ -64,8 +64,8 @@ class TrainSettings:
     magnitude_power: float = 1.0
     # with scores: neurons the predictor misses most (by activation mass) are made always-on
     # until the layer's mass recall reaches this, at most max_forced of its neurons
-    mass_recall: float = 0.98
-    max_forced: float = 0.02
+    mass_recall: float = 0.99
+    max_forced: float = 0.05
     seed: int = 0
 
 

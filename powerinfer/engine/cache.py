@@ -23,8 +23,9 @@ class KVCache:
         shape = (n_kv_heads, max_len, head_dim)
         on_tier = on_tier or [False] * n_layers
         devices = [tier_device if t and tier_device is not None else torch.device(device) for t in on_tier]
-        need = 2 * sum(n_kv_heads * max_len * head_dim for d in devices if d.type == "cuda") * dtype.itemsize
-        if need and tier_device is not None and tier_device.type == "cuda":
+        on_gpu = sum(d.type == "cuda" for d in devices) if tier_device is not None and tier_device.type == "cuda" else 0
+        if on_gpu:
+            need = 2 * on_gpu * n_kv_heads * max_len * head_dim * dtype.itemsize
             free = torch.cuda.mem_get_info(tier_device)[0]
             if need > free:
                 raise BadArgumentError(f"the KV cache for {max_len} positions needs {need / 2**30:.2f} GiB on the GPU, "

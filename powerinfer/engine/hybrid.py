@@ -160,23 +160,9 @@ class HybridFFN:
         else:
             idx = tier.all_rows_np
             criterion = self.criterion_id if self.mode == "oracle" else 0
-        self.stats.record(0, idx.shape[0], self.n_ff, False)
-        if self.last_layer:
-            self.stats.end_token()
-        if idx.shape[0] == 0:
-            return True
-        wg, wu, b_in, wd = tier._np
-        out = x[None]
-        if self.gated:
-            buf = np.empty((1, idx.shape[0]), dtype=np.float32)
-            sparse_cpu.gated_ffn(wg, wu, wd, h[None], idx, self.act_id, self.up_act_id, criterion,
-                                 np.float32(self.threshold), sparse_cpu.default_chunks(), buf, out, True)
-        else:
-            a = np.empty((1, idx.shape[0]), dtype=np.float32)
-            sparse_cpu.row_gemv(wg, h[None], idx if idx.shape[0] < tier.n else _ALL, b_in, self.act_id, a)
-            if criterion:
-                a[np.abs(a) <= self.threshold] = 0.0
-            sparse_cpu.col_axpy(wd, a, idx, sparse_cpu.default_chunks(), out, True)
+        self._record(0, idx.shape[0], False)
+        if idx.shape[0]:
+            self._numba_into(tier, h[None], idx, criterion, x[None])
         return True
 
     def tensors(self) -> list[torch.Tensor]:
@@ -198,9 +184,7 @@ class HybridFFN:
         if record:
             n_g = 0 if not run_gpu else (self.gpu.n if gpu_idx is None else gpu_idx.numel())
             n_c = 0 if not run_cpu else (self.cpu.n if cpu_idx is None else cpu_idx.numel())
-            self.stats.record(n_g, n_c, self.n_ff, run_gpu and run_cpu)
-            if self.last_layer:
-                self.stats.end_token()
+            self._record(n_g, n_c, run_gpu and run_cpu)
         future: Future | None = None
         gpu_out = None
         if run_gpu:
@@ -232,28 +216,35 @@ class HybridFFN:
         out = out.to("cpu")
         return out if base is None else out.add_(base)
 
+    def _record(self, n_gpu: int, n_cpu: int, both: bool) -> None:
+        self.stats.record(n_gpu, n_cpu, self.n_ff, both)
+        if self.last_layer:
+            self.stats.end_token()
+
     def _numba_tier(self, tier: Tier, x: torch.Tensor, idx: torch.Tensor, criterion: int,
                     base: torch.Tensor | None) -> torch.Tensor:
-        wg, wu, b_in, wd = tier._np
-        x_np = x.contiguous().numpy()
-        idx_np = idx.numpy()
         if base is None:
-            out = np.zeros((x.shape[0], wd.shape[1]), dtype=np.float32)
+            out = np.zeros((x.shape[0], tier.wt_down.shape[1]), dtype=np.float32)
         else:
             out = np.array(base.numpy(), dtype=np.float32, order="C")  # a copy: base is the caller's
+        self._numba_into(tier, x.contiguous().numpy(), idx.numpy(), criterion, out)
+        return torch.from_numpy(out)
+
+    def _numba_into(self, tier: Tier, x: np.ndarray, idx: np.ndarray, criterion: int, out: np.ndarray) -> None:
+        """out (T, d_out) += the tier's FFN over its rows `idx` for x (T, d), numba kernels."""
+        wg, wu, b_in, wd = tier._np
         chunks = sparse_cpu.default_chunks()
         if self.gated:
-            h = np.empty((x.shape[0], idx_np.shape[0]), dtype=np.float32)
-            sparse_cpu.gated_ffn(wg, wu, wd, x_np, idx_np, self.act_id, self.up_act_id, criterion,
+            h = np.empty((x.shape[0], idx.shape[0]), dtype=np.float32)
+            sparse_cpu.gated_ffn(wg, wu, wd, x, idx, self.act_id, self.up_act_id, criterion,
                                  np.float32(self.threshold), chunks, h, out, True)
         else:
-            a = np.empty((x.shape[0], idx_np.shape[0]), dtype=np.float32)
+            a = np.empty((x.shape[0], idx.shape[0]), dtype=np.float32)
             # an empty index array means "all rows" to row_gemv, which is what idx holds then
-            sparse_cpu.row_gemv(wg, x_np, idx_np if idx_np.shape[0] < tier.n else _ALL, b_in, self.act_id, a)
+            sparse_cpu.row_gemv(wg, x, idx if idx.shape[0] < tier.n else _ALL, b_in, self.act_id, a)
             if criterion:
                 a[np.abs(a) <= self.threshold] = 0.0
-            sparse_cpu.col_axpy(wd, a, idx_np, chunks, out, True)
-        return torch.from_numpy(out)
+            sparse_cpu.col_axpy(wd, a, idx, chunks, out, True)
 
     def _values(self, g: torch.Tensor, u: torch.Tensor | None, criterion: int) -> torch.Tensor:
         a = self.act(g)

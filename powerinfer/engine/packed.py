@@ -182,8 +182,7 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
                      attention=attention, head=dense_on_gpu, kv=kv_on_gpu)
     model = Model(args, dense_state, torch_dtype, ffns=ffns, tier=tier)
     model.ffn_stats = stats
-    model.packed = {"path": path, "mode": mode, "gpu_device": str(dev), "manifest": manifest,
-                    "kv_on_gpu": kv_on_gpu}
+    model.packed = {"path": path, "mode": mode, "gpu_device": str(dev), "manifest": manifest}
     tokenizer = None
     tok_dir = os.path.join(path, "tokenizer")
     if with_tokenizer and os.path.isdir(tok_dir):

@@ -154,7 +154,7 @@ class Model:
     """
 
     def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                 ffns: list[FFN] | None = None, tier: "DenseTier | None" = None):
+                 ffns: list[FFN] | None = None, tier: DenseTier | None = None):
         """`ffns`: one FFN per layer to use instead of building `DenseFFN`s from the state
         (the packed hybrid engine brings its own). `tier`: which dense parts (attention
         projections, embeddings and LM head, KV cache) live on the GPU tier."""

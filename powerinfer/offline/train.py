@@ -165,12 +165,11 @@ def force_heavy_misses(p: LayerPredictor, x_va: torch.Tensor, y_va: torch.Tensor
             got += float(missed[i])
         b2 = p.b2.clone()
         b2[forced] = ALWAYS_ON
-        q = LayerPredictor(p.w1, p.b1, p.w2, b2, p.threshold, 0, 0, 0, 0, p.tried, forced=sorted(forced))
-        m = evaluate(q.logits(x_va), y_va, q.threshold)
-        q.recall, q.precision, q.predicted_sparsity, q.true_sparsity = (
-            m["recall"], m["precision"], m["predicted_sparsity"], m["true_sparsity"])
-        q.mass_recall = mass_recall(q.logits(x_va), y_va, score_va, q.threshold)
-    return q
+        logits = F.linear(F.relu(F.linear(x_va, p.w1, p.b1)), p.w2, b2)  # as the forced predictor's
+        m = evaluate(logits, y_va, p.threshold)
+        return LayerPredictor(p.w1, p.b1, p.w2, b2, p.threshold, m["recall"], m["precision"], m["predicted_sparsity"],
+                              m["true_sparsity"], p.tried, mass_recall(logits, y_va, score_va, p.threshold),
+                              sorted(forced))
 
 
 def magnitude_weights(score: torch.Tensor, active: torch.Tensor, cap: float, power: float = 1.0) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import powerinfer
 from cli_helpers import run_cli
 from powerinfer.data import load_prompts
-from powerinfer.engine.packed import PackedModelError, load_packed
+from powerinfer.engine.packed import PackedModelError, load_packed, read_manifest
 from powerinfer.errors import BadArgumentError
 from powerinfer.offline.pack import pack_model
 from powerinfer.offline.profile import ProfileSettings, instrumented, profile_model
@@ -117,7 +117,7 @@ def test_silu_oracle_and_sparse_equal_the_instrumented_reference(silu, placement
     torch.testing.assert_close(oracle.forward(ids, oracle.new_cache(64), all_logits=True), ref_oracle,
                                atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(decode_logits(oracle, ids), ref_oracle_decode, atol=2e-5, rtol=1e-5)
-    sparse = load_packed(path, mode="sparse").model
+    sparse = load_packed(path, mode="sparse", predictor_bypass=None).model
     torch.testing.assert_close(decode_logits(sparse, ids), ref_sparse, atol=5e-5, rtol=1e-5)
     # the sparse model skips neurons, and the thresholds and predictors really change the output
     # (random weights: the predictors are barely better than chance, so they skip few)
@@ -128,6 +128,31 @@ def test_silu_oracle_and_sparse_equal_the_instrumented_reference(silu, placement
     d = load_packed(path, mode="dense").model
     torch.testing.assert_close(d.forward(ids, d.new_cache(64), all_logits=True), dense, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(sparse.forward(ids, sparse.new_cache(64), all_logits=True), dense, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("placement", ["all_cpu", "split"])
+def test_dense_ish_layers_bypass_their_predictor(silu, placement, monkeypatch):
+    """A layer whose predictor computes at least `predictor_bypass` of the neurons (on the
+    training validation set) runs in sparse mode as the oracle does: every gate/up row, the
+    true activations choosing the down rows, the predictor never called."""
+    from powerinfer.engine.hybrid import Predictor
+    from powerinfer.engine.packed import PREDICTOR_BYPASS
+
+    ids = prompt_ids(silu.lm)
+    path = packed(silu, placement, placements(silu.hash)[placement])
+    fractions = [layer["predictor"]["predicted_fraction"] for layer in read_manifest(path)["layers"]]
+    assert all(0.0 < f <= 1.0 for f in fractions)
+    default = load_packed(path, mode="sparse").model
+    assert [l.ffn.predictor_bypass for l in default.layers] == [f >= PREDICTOR_BYPASS for f in fractions]
+    oracle_logits = decode_logits(load_packed(path, mode="oracle").model, ids)
+    predicted_logits = decode_logits(load_packed(path, mode="sparse", predictor_bypass=None).model, ids)
+    monkeypatch.setattr(Predictor, "active", lambda *a: pytest.fail("predictor called"))
+    monkeypatch.setattr(Predictor, "active_np", lambda *a: pytest.fail("predictor called"))
+    bypassed = load_packed(path, mode="sparse", predictor_bypass=0.0).model
+    assert all(l.ffn.predictor_bypass for l in bypassed.layers)
+    torch.testing.assert_close(decode_logits(bypassed, ids), oracle_logits, atol=2e-5, rtol=1e-5)
+    assert bypassed.ffn_stats.active_fraction == 1.0  # every gate/up row is read
+    assert not torch.allclose(predicted_logits, oracle_logits, atol=1e-3)
 
 
 def test_all_cpu_decode_takes_the_one_call_path(silu, monkeypatch):
@@ -141,7 +166,7 @@ def test_all_cpu_decode_takes_the_one_call_path(silu, monkeypatch):
     monkeypatch.setattr(HybridFFN, "run_tiers", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
     for placement, expect_tiers in (("all_cpu", False), ("split", True)):
         calls.clear()
-        model = load_packed(packed(silu, placement, placements(silu.hash)[placement]), mode="sparse").model
+        model = load_packed(packed(silu, placement, placements(silu.hash)[placement]), mode="sparse", predictor_bypass=None).model
         decode_logits(model, ids)
         assert bool(calls) == expect_tiers, placement
         assert model.ffn_stats.layer_calls == len(ids) * len(model.layers)
@@ -153,7 +178,7 @@ def test_relu7b_calibration_reaches_the_target_share(silu, placement):
     of neurons; it must see the predictor on every decode route (one-call and two-tier)."""
     from powerinfer.bench.relu7b import calibrate_active_share
 
-    model = load_packed(packed(silu, placement, placements(silu.hash)[placement]), mode="sparse").model
+    model = load_packed(packed(silu, placement, placements(silu.hash)[placement]), mode="sparse", predictor_bypass=None).model
     calibrate_active_share(model, 0.3, passes=2, n=8)
     model.ffn_stats.reset()
     decode_logits(model, prompt_ids(silu.lm))
@@ -161,8 +186,8 @@ def test_relu7b_calibration_reaches_the_target_share(silu, placement):
 
 
 def test_split_computes_each_active_neuron_exactly_once(silu):
-    split = load_packed(packed(silu, "split", placements(silu.hash)["split"]), mode="sparse").model
-    single = load_packed(packed(silu, "all_cpu", placements(silu.hash)["all_cpu"]), mode="sparse").model
+    split = load_packed(packed(silu, "split", placements(silu.hash)["split"]), mode="sparse", predictor_bypass=None).model
+    single = load_packed(packed(silu, "all_cpu", placements(silu.hash)["all_cpu"]), mode="sparse", predictor_bypass=None).model
     g = torch.Generator().manual_seed(0)
     for layer_s, layer_1 in zip(split.layers, single.layers):
         fs, f1 = layer_s.ffn, layer_1.ffn
@@ -199,7 +224,7 @@ class CountingExecutor:
 
 def test_selective_sync_skips_the_merge_when_the_cpu_part_is_empty(relu):
     ids = prompt_ids(relu.lm)
-    all_gpu = load_packed(packed(relu, "all_gpu", placements(relu.hash)["all_gpu"]), mode="sparse").model
+    all_gpu = load_packed(packed(relu, "all_gpu", placements(relu.hash)["all_gpu"]), mode="sparse", predictor_bypass=None).model
     ex = CountingExecutor()
     for layer in all_gpu.layers:
         layer.ffn.executor = ex
@@ -207,7 +232,7 @@ def test_selective_sync_skips_the_merge_when_the_cpu_part_is_empty(relu):
     st = all_gpu.ffn_stats
     assert st.layer_calls == LAYERS * len(ids) and st.synced == 0 and st.skipped_sync == st.layer_calls
     assert ex.submits == 0 and st.active_cpu == 0 and st.gpu_share == 1.0
-    split = load_packed(packed(relu, "split", placements(relu.hash)["split"]), mode="sparse").model
+    split = load_packed(packed(relu, "split", placements(relu.hash)["split"]), mode="sparse", predictor_bypass=None).model
     ex = CountingExecutor()
     for layer in split.layers:
         layer.ffn.executor = ex
@@ -252,7 +277,7 @@ def test_plain_ffn_families_oracle_and_sparse(tmp_path, name):
     torch.testing.assert_close(decode_logits(oracle, ids), ref, atol=2e-5, rtol=1e-5)
     with instrumented(lm.model, "gate", prof.thresholds, predictors=[p.active for p in layers]):
         ref_sparse = decode_logits(lm.model, ids)
-    sparse = load_packed(out, mode="sparse", with_tokenizer=False).model
+    sparse = load_packed(out, mode="sparse", with_tokenizer=False, predictor_bypass=None).model
     torch.testing.assert_close(decode_logits(sparse, ids), ref_sparse, atol=5e-5, rtol=1e-5)
     assert 0.2 < sparse.ffn_stats.active_fraction < 0.8
 
@@ -286,8 +311,8 @@ def test_dense_parts_and_kv_cache_on_the_gpu_tier_equal_dense(relu, mode):
 def test_bf16_packed_model_runs_close_to_fp32(relu):
     path = packed(relu, "all_cpu", placements(relu.hash)["all_cpu"])
     ids = prompt_ids(relu.lm)
-    ref = decode_logits(load_packed(path, mode="sparse").model, ids)
-    half = decode_logits(load_packed(path, mode="sparse", dtype="bf16").model, ids)
+    ref = decode_logits(load_packed(path, mode="sparse", predictor_bypass=None).model, ids)
+    half = decode_logits(load_packed(path, mode="sparse", dtype="bf16", predictor_bypass=None).model, ids)
     assert (half.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
     assert torch.allclose(half, ref, atol=0.5)
 
@@ -325,7 +350,7 @@ def test_corrupt_and_mismatched_packed_models_are_refused(relu, tmp_path):
         load_packed(bad)
     no_preds = packed(relu, "no-preds", None, predictors=False)
     with pytest.raises(BadArgumentError, match="without predictors"):
-        load_packed(no_preds, mode="sparse")
+        load_packed(no_preds, mode="sparse", predictor_bypass=None)
     load_packed(no_preds, mode="oracle")  # fine without predictors
 
 

@@ -103,9 +103,12 @@ def run(args: argparse.Namespace) -> int:
         cache = model_cache_dir(content_hash(dense.path))
         prof = Profile.load(str(cache / "profile"))
         preds = Predictors.load(str(cache / "predictors"))
-        q = evaluate_predictors(dense, prof, preds, args.quality_prompts)
+        engine = models.get("sparse")
+        bypass = None if engine is None else [bool(l.ffn.predictor_bypass) for l in engine.layers]
+        q = evaluate_predictors(dense, prof, preds, args.quality_prompts, bypass=bypass)
         results["quality"] = {"perplexity": q["perplexity"], "greedy_agreement": q["greedy_agreement"],
-                              "prompts": q["prompts"], "tokens": q["tokens"]}
+                              "prompts": q["prompts"], "tokens": q["tokens"],
+                              "predictor_bypassed_layers": sum(bypass) if bypass else 0}
     print(format_results(results, engines))
     if args.output:
         with open(args.output, "w") as f:
@@ -130,5 +133,7 @@ def format_results(r: dict, engines: list[str]) -> str:
         lines.append(f"held-out ({q['prompts']} prompts, {q['tokens']} tokens): perplexity dense {ppl['dense']:.3f}, "
                      f"oracle {ppl['oracle']:.3f} ({ppl['oracle'] / ppl['dense'] - 1:+.1%}), sparse "
                      f"{ppl['predicted']:.3f} ({ppl['predicted'] / ppl['dense'] - 1:+.1%}); 128-token greedy agreement "
-                     f"oracle {ag['oracle']:.3f}, sparse {ag['predicted']:.3f}")
+                     f"oracle {ag['oracle']:.3f}, sparse {ag['predicted']:.3f}"
+                     + (f" (predictor bypassed in {q['predictor_bypassed_layers']} dense-ish layers)"
+                        if q.get("predictor_bypassed_layers") else ""))
     return "\n".join(lines)

@@ -183,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
     preds = planted_predictors(profile, ffn_inputs(dense.model), args.rank, model_hash)
     pack_model(gguf_path, packed_dir, profile, preds, None, args.dtype, force=True)
     gc.collect()
-    sparse = load_packed(packed_dir, mode="sparse", dtype=args.dtype, threads=args.threads, with_tokenizer=False).model
+    sparse = load_packed(packed_dir, mode="sparse", dtype=args.dtype, threads=args.threads, with_tokenizer=False,
+                         predictor_bypass=None).model  # calibrated below to the target share
     calibrate_active_share(sparse, 1 - args.sparsity)
     decode_speed(dense.model, 2), decode_speed(sparse, 2)  # warm-up
     bandwidth = memory_read_bandwidth()

@@ -52,6 +52,9 @@ def print_stats(r, lm=None) -> None:
         on_tier = [name for name, on in (("attention", any(tier.attention_on_tier(i) for i in range(len(lm.model.layers)))),
                                          ("embeddings/LM head", tier.head), ("KV cache", tier.kv)) if on]
         engine += f" (with {', '.join(on_tier)})" if on_tier else ""
+        bypassed = sum(bool(getattr(l.ffn, "predictor_bypass", False)) for l in lm.model.layers)
+        if bypassed:
+            engine += f"; predictor bypassed in {bypassed}/{len(lm.model.layers)} dense-ish layers"
     print(f"engine: {engine} | prefill: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | "
           f"decode: {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s | finish: {r.finish_reason}")
     stats = getattr(lm.model, "ffn_stats", None) if lm is not None else None

@@ -112,7 +112,8 @@ class HybridFFN:
 
     def __init__(self, gpu_tier: Tier, cpu_tier: Tier, b_out: torch.Tensor | None, act: str, up_act: str | None,
                  gated: bool, criterion: str, threshold: float, predictor: "Predictor | None", mode: str,
-                 executor: ThreadPoolExecutor | None, stats: FFNStats, last_layer: bool = False):
+                 executor: ThreadPoolExecutor | None, stats: FFNStats, last_layer: bool = False,
+                 predictor_bypass: bool = False):
         if mode not in MODES:
             raise BadArgumentError(f"unknown mode {mode!r} (choose {', '.join(MODES)})")
         if mode == "sparse" and predictor is None:
@@ -129,6 +130,8 @@ class HybridFFN:
         self.threshold = float(threshold)
         self.predictor = predictor
         self.mode = mode
+        # sparse mode, predictor bypassed (see load_packed): every gate/up row, true activations
+        self.predictor_bypass = predictor_bypass and mode == "sparse"
         self.executor = executor
         self.stats = stats
         self.last_layer = last_layer  # ends the token in the stats
@@ -139,10 +142,10 @@ class HybridFFN:
         base = residual  # what the tiers' outputs are added to: the residual and the output bias
         if self.b_out is not None:
             base = self.b_out.expand(x.shape[0], -1) if base is None else base + self.b_out
-        if x.shape[0] == 1 and self.mode == "sparse":
+        if x.shape[0] == 1 and self.mode == "sparse" and not self.predictor_bypass:
             gpu_idx, cpu_idx = self.split(self.predictor.active(x))
             return self.run_tiers(x, gpu_idx, cpu_idx, self.criterion_id, record=True, base=base)
-        criterion = self.criterion_id if self.mode == "oracle" else 0
+        criterion = self.criterion_id if self.mode == "oracle" or self.predictor_bypass else 0
         return self.run_tiers(x, None, None, criterion, record=x.shape[0] == 1, base=base)
 
     def add_one(self, h: np.ndarray, x: np.ndarray) -> bool:
@@ -152,14 +155,14 @@ class HybridFFN:
         tier = self.cpu
         if self.gpu.n or not tier.numba or self.mode == "offload" or self.b_out is not None:
             return False
-        if self.mode == "sparse":
+        if self.mode == "sparse" and not self.predictor_bypass:
             if self.predictor is None or self.predictor.device.type != "cpu":
                 return False
             idx = self.predictor.active_np(h)
             criterion = self.criterion_id
         else:
             idx = tier.all_rows_np
-            criterion = self.criterion_id if self.mode == "oracle" else 0
+            criterion = self.criterion_id if self.mode == "oracle" or self.predictor_bypass else 0
         self._record(0, idx.shape[0], False)
         if idx.shape[0]:
             self._numba_into(tier, h[None], idx, criterion, x[None])

@@ -100,15 +100,29 @@ def resolve_gpu_device(gpu_device: str | None) -> torch.device:
     return dev
 
 
+# Predicted share of the neurons from which a layer bypasses its predictor in sparse mode.
+# Measured on SmolLM2-135M bf16 (every layer's predictor computes 0.86-0.97 of the neurons):
+# bypassing all layers took decode from 75.7 to 87.0 tok/s (median of 8 rounds).
+PREDICTOR_BYPASS = 0.85
+
+
 def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp32", threads: int | None = None,
                 gpu_device: str | None = None, model_hash: str | None = None,
-                with_tokenizer: bool = True, kv_on_gpu: bool = False) -> LoadedModel:
+                with_tokenizer: bool = True, kv_on_gpu: bool = False,
+                predictor_bypass: float | None = PREDICTOR_BYPASS) -> LoadedModel:
     """Load the packed model at `path` for `mode` (sparse, oracle, dense or offload).
 
     Dense parts follow the placement: with `dense_on_gpu` the attention projections, the
     embeddings and the LM head go to the GPU tier (in offload mode: the attention of the
     offloaded layers); `kv_on_gpu` puts the KV cache there too. Norms and the residual
     stream stay on the CPU.
+
+    In sparse mode a layer whose predictor computes at least `predictor_bypass` of the
+    neurons on the training validation set (the packed manifest's `predicted_fraction`)
+    bypasses it: every neuron's gate and up rows are computed and the true activations
+    choose the down rows (as the oracle mode). Reading a few percent fewer rows does not pay
+    for the predictor and the irregular row set; the true activations are also better than
+    the predicted ones. `None` never bypasses.
 
     Refuses, with one clear message, directories that are not packed models, shards that are
     truncated or corrupt, tensors that do not match the manifest's shapes, a packed model made
@@ -168,10 +182,13 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
             pred_dev = dev if dev.type == "cuda" else torch.device("cpu")
             predictor = Predictor(*(p[k].to(pred_dev) for k in ("w1", "b1", "w2", "b2")),
                                   threshold=layers_meta[i]["predictor"]["threshold"])
+        fraction = (layers_meta[i].get("predictor") or {}).get("predicted_fraction")
+        bypass = (mode == "sparse" and predictor_bypass is not None and fraction is not None
+                  and fraction >= predictor_bypass)
         b_out = dense_state.pop(f"layers.{i}.ffn.b_out", None)
         ffns.append(HybridFFN(gpu_tier, cpu_tier, None if b_out is None else b_out.float(), args.act, args.up_act,
                               args.gated_ffn, manifest["criterion"], layers_meta[i]["threshold"], predictor,
-                              mode, None, stats, last_layer=i == args.n_layers - 1))
+                              mode, None, stats, last_layer=i == args.n_layers - 1, predictor_bypass=bypass))
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-tier") if any_gpu else None
     for f in ffns:
         f.executor = executor

@@ -60,7 +60,11 @@ def greedy_agreement(lm: LoadedModel, prompts: list[torch.Tensor], gen_tokens: i
 
 
 def evaluate_predictors(lm: LoadedModel, profile: Profile, preds: Predictors, n_prompts: int = 16,
-                        max_tokens: int = 256, gen_tokens: int = 128, agreement_prompts: int = 8) -> dict:
+                        max_tokens: int = 256, gen_tokens: int = 128, agreement_prompts: int = 8,
+                        bypass: list[bool] | None = None) -> dict:
+    """Per-layer recall/precision and end-to-end perplexity and greedy agreement of the dense,
+    oracle and predicted variants. `bypass[i]`: layer i runs without its predictor in the
+    predicted variant (as the sparse engine runs a dense-ish layer, see load_packed)."""
     model = lm.model
     texts = heldout_texts(profile, n_prompts)
     tokens = tokenize(lm, texts, max_tokens)
@@ -79,7 +83,7 @@ def evaluate_predictors(lm: LoadedModel, profile: Profile, preds: Predictors, n_
     with instrumented(model, criterion, thresholds, observers=[observer(i) for i in range(L)]):
         oracle_ppl = perplexity(model, tokens, "oracle ppl")
     dense_ppl = perplexity(model, tokens, "dense ppl")
-    predict = [p.active for p in preds.layers]
+    predict = [None if bypass is not None and bypass[i] else p.active for i, p in enumerate(preds.layers)]
     with instrumented(model, criterion, thresholds, predictors=predict):
         predicted_ppl = perplexity(model, tokens, "predicted ppl")
     prompts = [t[:64] for t in tokens[:agreement_prompts]]

@@ -35,6 +35,9 @@ from .train import Predictors
 
 FORMAT = "powerinfer-packed"
 FORMAT_VERSION = 1
+# Bumped when packing writes something new into a still-loadable format, so that `prepare`
+# repacks its cached model (2: each layer's predictor records its predicted_fraction).
+PACK_REVISION = 2
 SHARDS = ("gpu", "cpu")
 
 
@@ -135,7 +138,8 @@ def pack_model(model_path: str | None, out_dir: str, profile: Profile, predictor
                            "threshold": profile.thresholds[i],
                            "predictor": None if predictors is None else {
                                "rank": predictors.layers[i].rank, "threshold": predictors.layers[i].threshold,
-                               "recall": predictors.layers[i].recall, "precision": predictors.layers[i].precision}})
+                               "recall": predictors.layers[i].recall, "precision": predictors.layers[i].precision,
+                               "predicted_fraction": 1.0 - predictors.layers[i].predicted_sparsity}})
     tmp = out_dir.rstrip("/") + f".tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)

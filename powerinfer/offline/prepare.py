@@ -60,6 +60,7 @@ def resolve_hardware(name: str):
 def prepare(model_path: str | None, s: PrepareSettings, lm=None) -> str:
     """Run (or reuse) every offline step for the model; returns the packed model directory."""
     from ..loader import resolve_model_path
+    from .pack import PACK_REVISION
 
     path = resolve_model_path(model_path)
     model_hash = content_hash(path)
@@ -70,7 +71,8 @@ def prepare(model_path: str | None, s: PrepareSettings, lm=None) -> str:
         raise BadArgumentError(f"VRAM budget {budget / 2**30:.2f} GiB is not within the {hw.name}'s "
                                f"{hw.gpu_memory / 2**30:.2f} GiB")
     packed_dir = default_packed_dir(model_hash)
-    request = {"hardware": hw.name, "budget": budget, "dtype": s.dtype, "predictor_loss": "magnitude-weighted, heavy misses forced"}
+    request = {"hardware": hw.name, "budget": budget, "dtype": s.dtype, "predictor_loss": "magnitude-weighted, heavy misses forced",
+               "pack_revision": PACK_REVISION}
     if _packed_is_current(packed_dir, model_hash, cache, request):
         _log(f"{packed_dir} is up to date ({hw.name}, budget {budget} bytes, {s.dtype})")
         return packed_dir
@@ -109,13 +111,13 @@ def check_sparse(lm, packed_dir: str, profile: Profile, predictors, s: PrepareSe
     _log("checking the sparse engine's speed and quality against dense")
     texts = heldout_texts(profile, 16) if s.heldout else []
     ppl = {}
-    if texts:
+    sparse = load_packed(packed_dir, mode="sparse", dtype=s.dtype, with_tokenizer=False).model
+    if texts:  # what the engine computes: predicted neurons, or the true ones where bypassed
         tokens = tokenize(lm, texts, s.max_tokens)
         ppl["dense"] = perplexity(lm.model, tokens, "dense ppl")
-        with instrumented(lm.model, profile.criterion, profile.thresholds,
-                          predictors=[p.active for p in predictors.layers]):
+        predict = [None if layer.ffn.predictor_bypass else p.active for layer, p in zip(sparse.layers, predictors.layers)]
+        with instrumented(lm.model, profile.criterion, profile.thresholds, predictors=predict):
             ppl["sparse"] = perplexity(lm.model, tokens, "sparse ppl")
-    sparse = load_packed(packed_dir, mode="sparse", dtype=s.dtype, with_tokenizer=False).model
 
     def speed(model, n: int = 32) -> float:
         return decode_round(model, [1, 2, 3, 4], n)[1]

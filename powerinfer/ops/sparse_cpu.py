@@ -18,7 +18,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from .cpu import _act, row_dot
+from .cpu import _act, dot4, row_dot
 from .numba_half import widen
 
 
@@ -61,6 +61,15 @@ def _row_of(idx, kk, dense):
     return np.int64(kk) if dense else np.int64(idx[kk])
 
 
+@njit(inline="always", fastmath=True)
+def _finish_row(v, r, bias, act_id):
+    if bias.shape[0] > 0:
+        v += bias[r]
+    if act_id >= 0:
+        v = _act(v, act_id)
+    return v
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def row_gemv(w, x, idx, bias, act_id, out):
     """out[t, k] = act(W[idx[k]] . x[t] + bias[idx[k]]); empty idx = all rows, act_id < 0 = none."""
@@ -69,17 +78,23 @@ def row_gemv(w, x, idx, bias, act_id, out):
     k = w.shape[0] if dense else idx.shape[0]
     has_bias = bias.shape[0] > 0
     if 2 * k >= w.shape[0] and w.shape[1] <= SHORT_ROW:
-        # Dense-ish sets of short rows: mostly adjacent, read one after another as one
-        # sequential stream (at d = 576 ~1.5x the eight-row blocks; at d = 4096 the blocks win).
-        for kk in prange(k):
+        # Dense-ish sets of short rows: step kk reads rows kk, kk + q, kk + 2q, kk + 3q of the
+        # set (q = k/4), so each thread reads four distant sequential streams (cpu.add_matvec;
+        # at d = 4096 the eight-row blocks below win).
+        q = k // 4
+        for kk in prange(q):
+            r0, r1 = _row_of(idx, kk, dense), _row_of(idx, kk + q, dense)
+            r2, r3 = _row_of(idx, kk + 2 * q, dense), _row_of(idx, kk + 3 * q, dense)
+            for t in range(T):
+                v0, v1, v2, v3 = dot4(w, r0, r1, r2, r3, x[t])
+                out[t, kk] = _finish_row(v0, r0, bias, act_id)
+                out[t, kk + q] = _finish_row(v1, r1, bias, act_id)
+                out[t, kk + 2 * q] = _finish_row(v2, r2, bias, act_id)
+                out[t, kk + 3 * q] = _finish_row(v3, r3, bias, act_id)
+        for kk in range(4 * q, k):
             r = _row_of(idx, kk, dense)
             for t in range(T):
-                v = _dot1(w, r, x, t)
-                if has_bias:
-                    v += bias[r]
-                if act_id >= 0:
-                    v = _act(v, act_id)
-                out[t, kk] = v
+                out[t, kk] = _finish_row(_dot1(w, r, x, t), r, bias, act_id)
         return
     for b in prange((k + ROW_BLOCK - 1) // ROW_BLOCK):
         k0 = b * ROW_BLOCK
@@ -136,26 +151,35 @@ def _axpy_block(wt, rows, coefs, n, acc_row):
 
 @njit(inline="always", fastmath=True)
 def _axpy_rows_sequential(wt, idx, coefs, lo, hi, acc_row):
-    """acc_row += sum_k coefs[k] * wt[idx[k]] over k in [lo, hi), one row after another into a
-    local accumulator. For dense-ish sets of short rows this one sequential stream beats the
-    eight-row blocks (d = 576, bf16: 93% of rows 73 vs 87 us, all rows 76 vs 105 us; at 60%
-    the blocks win, 85 vs 102 us)."""
+    """acc_row += sum_k coefs[k] * wt[idx[k]] over k in [lo, hi) into a local accumulator,
+    reading four distant parts of [lo, hi) as four interleaved sequential streams (more
+    memory requests in flight than one; see cpu.STREAMS). For dense-ish sets of short rows
+    this beats the eight-row blocks of adjacent rows (d = 576, bf16: one stream 73 vs 87 us
+    at 93% of rows; at 60% the blocks win). Zero coefficients are multiplied, not skipped:
+    skipping a third of the rows at random saved no time at d = 576."""
     d = acc_row.shape[0]
     local = np.zeros(d, dtype=np.float32)
-    for kk in range(lo, hi):
+    q = (hi - lo) // 4
+    for kk in range(lo, lo + q):
+        r0, r1 = np.int64(idx[kk]), np.int64(idx[kk + q])
+        r2, r3 = np.int64(idx[kk + 2 * q]), np.int64(idx[kk + 3 * q])
+        s0, s1, s2, s3 = coefs[kk], coefs[kk + q], coefs[kk + 2 * q], coefs[kk + 3 * q]
+        for j in range(d):
+            local[j] += (s0 * widen(wt[r0, j]) + s1 * widen(wt[r1, j])) + (s2 * widen(wt[r2, j]) + s3 * widen(wt[r3, j]))
+    for kk in range(lo + 4 * q, hi):
         s = coefs[kk]
-        if s != 0.0:
-            w = wt[np.int64(idx[kk])]
-            for j in range(d):
-                local[j] += s * widen(w[j])
+        r = np.int64(idx[kk])
+        for j in range(d):
+            local[j] += s * widen(wt[r, j])
     for j in range(d):
         acc_row[j] += local[j]
 
 
 @njit(inline="always", fastmath=True)
 def _sequential_axpy(wt, k):
-    """Whether an AXPY over k of wt's rows takes the sequential route (>= 80% of short rows)."""
-    return 5 * k >= 4 * wt.shape[0] and wt.shape[1] <= SHORT_ROW
+    """Whether an AXPY over k of wt's rows takes the streamed sequential route (>= 50% of
+    short rows; d = 576, bf16, 30 matrices cycled: 66% of rows 85 vs 104 us for the blocks)."""
+    return 2 * k >= wt.shape[0] and wt.shape[1] <= SHORT_ROW
 
 
 @njit(inline="always", fastmath=True)
@@ -218,6 +242,33 @@ def _neuron_value(w_gate, w_up, r, x, act_id, up_act_id, criterion, threshold):
     return v
 
 
+@njit(inline="always", fastmath=True)
+def _gated_of(a, u, up_act_id, criterion, threshold):
+    if up_act_id >= 0:
+        u = _act(u, up_act_id)
+    v = a * u
+    if criterion == 2 and abs(v) <= threshold:
+        return np.float32(0.0)
+    return v
+
+
+@njit(inline="always", fastmath=True)
+def _neuron_pair(w_gate, w_up, r0, r1, x, act_id, up_act_id, criterion, threshold):
+    """Two neurons' values (as `_neuron_value`) in one pass over x: four row streams."""
+    if criterion == 1:  # up rows are read only for neurons the gate keeps
+        return (_neuron_value(w_gate, w_up, r0, x, act_id, up_act_id, criterion, threshold),
+                _neuron_value(w_gate, w_up, r1, x, act_id, up_act_id, criterion, threshold))
+    g0 = u0 = g1 = u1 = np.float32(0.0)
+    for j in range(x.shape[0]):
+        xj = x[j]
+        g0 += widen(w_gate[r0, j]) * xj
+        u0 += widen(w_up[r0, j]) * xj
+        g1 += widen(w_gate[r1, j]) * xj
+        u1 += widen(w_up[r1, j]) * xj
+    return (_gated_of(_act(g0, act_id), u0, up_act_id, criterion, threshold),
+            _gated_of(_act(g1, act_id), u1, up_act_id, criterion, threshold))
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def gated_ffn(w_gate, w_up, wt_down, x, idx, act_id, up_act_id, criterion, threshold, n_chunks, h, out,
               accumulate):
@@ -242,10 +293,17 @@ def gated_ffn(w_gate, w_up, wt_down, x, idx, act_id, up_act_id, criterion, thres
         # Two phases, as the dense FFN: every neuron's gate and up rows in one fine-grained
         # parallel loop, then the down rows per chunk (d = 576, bf16: 252-257 vs 277-280 us
         # per layer for the single blocked pass below; the dense FFN takes 216).
-        for kk in prange(k):
-            r = np.int64(idx[kk])
+        # Two neurons (kk, kk + k/2) per step: four row streams per thread (cpu.add_matvec).
+        q = k // 2
+        for kk in prange(q):
+            r0, r1 = np.int64(idx[kk]), np.int64(idx[kk + q])
             for t in range(T):
-                h[t, kk] = _neuron_value(w_gate, w_up, r, x[t], act_id, up_act_id, criterion, threshold)
+                h[t, kk], h[t, kk + q] = _neuron_pair(w_gate, w_up, r0, r1, x[t], act_id, up_act_id, criterion,
+                                                      threshold)
+        for kk in range(2 * q, k):
+            for t in range(T):
+                h[t, kk] = _neuron_value(w_gate, w_up, np.int64(idx[kk]), x[t], act_id, up_act_id, criterion,
+                                         threshold)
         for c in prange(n_chunks):
             lo, hi = c * k // n_chunks, (c + 1) * k // n_chunks
             for t in range(T):

@@ -1,6 +1,6 @@
 """End-to-end decode speed and quality: dense, sparse and oracle engines and transformers.
 
-    powerinfer bench e2e [-m MODEL] [--dtype bf16] [--outputs 128,512] [--per-group 1] [-o results.json]
+    powerinfer bench e2e [-m MODEL] [--dtype bf16] [--outputs 128,512] [--per-group 1] [--rounds 1] [-o results.json]
 
 ShareGPT prompts (first user turn, through the chat template) grouped by input length
 (short < 64 tokens, medium 64-255, long 256-1023), as the paper evaluates; for each group
@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="weight dtype (default bf16)")
     p.add_argument("--outputs", default="128,512", help="output lengths (default 128,512)")
     p.add_argument("--per-group", type=int, default=1, help="prompts per input-length group (default 1)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="times each prompt is decoded by every engine, engines alternating (default 1); the median counts")
     p.add_argument("--engines", default="dense,sparse,oracle,transformers")
     p.add_argument("--quality-prompts", type=int, default=16, help="held-out prompts for perplexity (0 = skip)")
     p.add_argument("-t", "--threads", type=int, default=2)
@@ -58,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
     outputs = [int(x) for x in args.outputs.split(",") if x.strip()]
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = set(engines) - {"dense", "sparse", "oracle", "transformers"}
-    if unknown or not outputs or args.per_group < 1:
-        raise BadArgumentError(f"bad --engines/--outputs/--per-group ({', '.join(sorted(unknown))})")
+    if unknown or not outputs or args.per_group < 1 or args.rounds < 1:
+        raise BadArgumentError(f"bad --engines/--outputs/--per-group/--rounds ({', '.join(sorted(unknown))})")
     torch.set_num_threads(args.threads)
     packed_dir = prepare(args.model, PrepareSettings())
     dense = load(args.model, dtype=args.dtype, threads=args.threads)
@@ -73,12 +75,12 @@ def run(args: argparse.Namespace) -> int:
         decode_round(m, prompts["short"][0], 4)
     if hf is not None:
         transformers_round(hf, prompts["short"][0], 4)
-    results = {"model": dense.path, "dtype": args.dtype, "threads": args.threads, "groups": {}}
+    results = {"model": dense.path, "dtype": args.dtype, "threads": args.threads, "rounds": args.rounds, "groups": {}}
     active = []
     for g, plist in prompts.items():
         for n in outputs:
             speeds: dict[str, list[float]] = {e: [] for e in engines}
-            for ids in plist:
+            for ids in [ids for ids in plist for _ in range(args.rounds)]:
                 for e in engines:
                     if e == "transformers":
                         speeds[e].append(transformers_round(hf, ids, n)[1])
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_results(r: dict, engines: list[str]) -> str:
-    lines = [f"model {r['model']}, {r['dtype']} weights, {r['threads']} threads; decode tok/s (median over prompts)", "",
+    lines = [f"model {r['model']}, {r['dtype']} weights, {r['threads']} threads; decode tok/s (median over prompts and rounds)", "",
              "| input / output | " + " | ".join(engines) + " | sparse vs dense | sparse vs transformers |",
              "|---|" + "---|" * (len(engines) + 2)]
     for key, row in r["groups"].items():

@@ -33,7 +33,7 @@ ffn_bytes = 3 * n * d * 2
 
 
 def dense_ffn(l):
-    decode.dense_ffn(x[0], W_in[l], cpu.NO_BIAS, W_out[l], cpu.NO_BIAS, True, 0, -1, out)
+    decode.dense_ffn(x[0], W_in[l], cpu.NO_BIAS, W_out[l], cpu.NO_BIAS, True, 0, -1, 0, np.float32(0.0), out)
 
 
 def fused(ix):

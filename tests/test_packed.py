@@ -280,6 +280,16 @@ def test_plain_ffn_families_oracle_and_sparse(tmp_path, name):
     sparse = load_packed(out, mode="sparse", with_tokenizer=False, predictor_bypass=None).model
     torch.testing.assert_close(decode_logits(sparse, ids), ref_sparse, atol=5e-5, rtol=1e-5)
     assert 0.2 < sparse.ffn_stats.active_fraction < 0.8
+    # all on the CPU: oracle, dense and bypassed sparse re-lay the tier for the dense FFN kernel
+    # (fc1 and fc2 biases included) and still equal the dense model
+    out_cpu = str(tmp_path / "packed-cpu")
+    pack_model(str(path), out_cpu, prof, preds, None, "fp32")
+    for mode, kw in (("oracle", {}), ("dense", {}), ("sparse", {"predictor_bypass": 0.0})):
+        m = load_packed(out_cpu, mode=mode, with_tokenizer=False, **kw).model
+        assert all(l.ffn.cpu.dense_np is not None and l.ffn.gpu.n == 0 for l in m.layers), mode
+        torch.testing.assert_close(decode_logits(m, ids), ref, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(m.forward(ids, m.new_cache(64), all_logits=True),
+                                   lm.model.forward(ids, lm.model.new_cache(64), all_logits=True), atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["oracle", "offload"])

@@ -95,7 +95,7 @@ class DenseFFN:
         if w_in is None or w_out is None:
             return False
         decode.dense_ffn(h, w_in, self.w_in.b_np, w_out, self.w_out.b_np, self.gated, self._act_id,
-                         self._up_act_id, x)
+                         self._up_act_id, 0, np.float32(0.0), x)
         return True
 
     def _hidden_one(self, h: torch.Tensor) -> torch.Tensor:

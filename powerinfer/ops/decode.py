@@ -44,44 +44,56 @@ def attention_block(x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, pos, cos, si
 
 
 @njit(inline="always", fastmath=True)
-def _gated_value(g, u, i, n_ff, b_in, act_id, up_act_id):
+def _gated_value(g, u, i, n_ff, b_in, act_id, up_act_id, criterion, threshold):
+    """act(g) * up_act(u) (biases added), 0 when off by the criterion (1: |act(g)| <= threshold,
+    2: |act(g) * up_act(u)| <= threshold; 0: never)."""
     if b_in.shape[0] > 0:
         g += b_in[i]
         u += b_in[n_ff + i]
+    a = _act(g, act_id)
+    if criterion == 1 and abs(a) <= threshold:
+        return np.float32(0.0)
     if up_act_id >= 0:
         u = _act(u, up_act_id)
-    return _act(g, act_id) * u
+    v = a * u
+    if criterion == 2 and abs(v) <= threshold:
+        return np.float32(0.0)
+    return v
 
 
 @njit(inline="always", fastmath=True)
-def _gated_hidden(h, w_in, b_in, n_ff, act_id, up_act_id, hidden):
+def _gated_hidden(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden):
     """hidden[i] = act(gate_i . h) * up_act(up_i . h) for every neuron, in parallel, two
     neurons (i, i + n_ff/2) per step: four row streams per thread (see cpu.add_matvec)."""
     q = n_ff // 2
     for i in prange(q):
         k = i + q
         g0, u0, g1, u1 = dot4(w_in, i, n_ff + i, k, n_ff + k, h)
-        hidden[i] = _gated_value(g0, u0, i, n_ff, b_in, act_id, up_act_id)
-        hidden[k] = _gated_value(g1, u1, k, n_ff, b_in, act_id, up_act_id)
+        hidden[i] = _gated_value(g0, u0, i, n_ff, b_in, act_id, up_act_id, criterion, threshold)
+        hidden[k] = _gated_value(g1, u1, k, n_ff, b_in, act_id, up_act_id, criterion, threshold)
     for i in range(2 * q, n_ff):
-        hidden[i] = _gated_value(row_dot(w_in, i, h), row_dot(w_in, n_ff + i, h), i, n_ff, b_in, act_id, up_act_id)
+        hidden[i] = _gated_value(row_dot(w_in, i, h), row_dot(w_in, n_ff + i, h), i, n_ff, b_in, act_id, up_act_id,
+                                 criterion, threshold)
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def dense_ffn(h, w_in, b_in, w_out, b_out, gated, act_id, up_act_id, x):
-    """x += FFN(h) in place, every neuron computed.
+def dense_ffn(h, w_in, b_in, w_out, b_out, gated, act_id, up_act_id, criterion, threshold, x):
+    """x += FFN(h) in place, every neuron's rows read.
 
     Gated: w_in is (2 n_ff, d), gate rows first; neuron i = act(gate_i . h) * up_act(up_i . h)
     (up_act_id < 0: no activation on up). Plain: neuron i = act(w_in_i . h + b_in_i).
-    w_out is (d, n_ff).
+    w_out is (d, n_ff). `criterion`/`threshold` zero neurons as the sparse kernels do (0: none;
+    1: |act(gate)| <= threshold, or |act| for a plain FFN; 2: |neuron| <= threshold), which
+    makes this the oracle FFN when every row is read anyway.
     """
     n_ff = w_out.shape[1]
     hidden = np.empty(n_ff, dtype=np.float32)
     if gated:
-        _gated_hidden(h, w_in, b_in, n_ff, act_id, up_act_id, hidden)
+        _gated_hidden(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden)
     else:
         hidden[:] = 0.0
         add_matvec(w_in, h, b_in, hidden)
         for i in range(n_ff):
-            hidden[i] = _act(hidden[i], act_id)
+            v = _act(hidden[i], act_id)
+            hidden[i] = np.float32(0.0) if criterion != 0 and abs(v) <= threshold else v
     add_matvec(w_out, hidden, b_out, x)

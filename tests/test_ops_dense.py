@@ -50,9 +50,11 @@ def test_gated_activation_matches_reference(act, up_act):
     torch.testing.assert_close(plain, reference.gated_act(torch.cat([h, torch.ones_like(h)]), 2 * n_ff, act))
 
 
-@pytest.mark.parametrize("n_heads,n_kv,rope", [(4, 4, True), (6, 2, True), (8, 1, False)])
-def test_attend_one_matches_reference(n_heads, n_kv, rope):
-    d, max_len, pos = 16, 20, 13
+@pytest.mark.parametrize("n_heads,n_kv,rope,pos", [(4, 4, True, 13), (6, 2, True, 13), (8, 1, False, 13),
+                                                   (9, 3, True, 150), (6, 2, False, 127)])
+def test_attend_one_matches_reference(n_heads, n_kv, rope, pos):
+    """Also over several ATTENTION_BLOCK blocks of positions (partial softmaxes merged)."""
+    d, max_len = 16, 200
     inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     angles = torch.outer(torch.arange(max_len).float(), inv_freq)
     cos, sin = torch.cos(angles).numpy(), torch.sin(angles).numpy()

@@ -94,3 +94,9 @@ def test_bench_ops_runs_on_a_small_shape(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("| float32 |") == 2 and r.stdout.count("| float16 |") == 2
     assert plot.stat().st_size > 1000
+
+
+def test_bench_relu7b_refuses_a_model_that_does_not_fit(tmp_path):
+    """Checked before anything is written: 512 layers of the 7B shape need ~440 GiB."""
+    assert_clean_error(run_cli("bench", "relu7b", "--layers", "512", "--dir", str(tmp_path / "r")), "GiB of memory")
+    assert not (tmp_path / "r").exists()

@@ -20,9 +20,16 @@ def test_linear_one_token_matches_reference(dtype, shape, with_bias):
     lin = Linear(w, b)
     expected = reference.gemv(w, x[0], b, r[0])
     torch.testing.assert_close(lin(x, residual=r)[0], expected, atol=1e-4, rtol=1e-4)
-    # the batched (torch) path agrees with the one-token (numba) path
-    xs = torch.cat([x, torch.randn(2, shape[1])])
-    torch.testing.assert_close(lin(xs)[:1], lin(x), atol=1e-4, rtol=1e-4)
+    # batches of a few tokens (one numba GEMV per token for half weights) and larger ones
+    # (torch) agree with the one-token path, residual included
+    for T in (3, 4, 5, 9):
+        xs = torch.cat([x, torch.randn(T - 1, shape[1])])
+        rs = torch.cat([r, torch.randn(T - 1, shape[0])])
+        ys = lin(xs, residual=rs)
+        assert ys.shape == (T, shape[0])
+        torch.testing.assert_close(ys[:1], lin(x, residual=r), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ys[1:], torch.stack([lin(xs[t:t + 1], residual=rs[t:t + 1])[0] for t in range(1, T)]),
+                                   atol=1e-4, rtol=1e-4)
 
 
 def test_rms_norm_matches_reference():

@@ -152,6 +152,11 @@ def test_dense_ish_layers_bypass_their_predictor(silu, placement, monkeypatch):
     assert all(l.ffn.predictor_bypass for l in bypassed.layers)
     torch.testing.assert_close(decode_logits(bypassed, ids), oracle_logits, atol=2e-5, rtol=1e-5)
     assert bypassed.ffn_stats.active_fraction == 1.0  # every gate/up row is read
+    model, prof = silu.lm.model, silu.profile
+    with instrumented(model, prof.criterion, prof.thresholds):  # a few tokens: the thresholded dense kernel
+        short_ref = model.forward(ids[:3], model.new_cache(64), all_logits=True)
+    torch.testing.assert_close(bypassed.forward(ids[:3], bypassed.new_cache(64), all_logits=True), short_ref,
+                               atol=2e-5, rtol=1e-5)
     assert not torch.allclose(predicted_logits, oracle_logits, atol=1e-3)
 
 
@@ -288,8 +293,10 @@ def test_plain_ffn_families_oracle_and_sparse(tmp_path, name):
         m = load_packed(out_cpu, mode=mode, with_tokenizer=False, **kw).model
         assert all(l.ffn.cpu.dense_np is not None and l.ffn.gpu.n == 0 for l in m.layers), mode
         torch.testing.assert_close(decode_logits(m, ids), ref, atol=2e-5, rtol=1e-5)
-        torch.testing.assert_close(m.forward(ids, m.new_cache(64), all_logits=True),
-                                   lm.model.forward(ids, lm.model.new_cache(64), all_logits=True), atol=2e-5, rtol=1e-5)
+        for prompt in (ids, ids[:3]):  # torch batches; a few tokens: the dense kernel per token
+            torch.testing.assert_close(m.forward(prompt, m.new_cache(64), all_logits=True),
+                                       lm.model.forward(prompt, lm.model.new_cache(64), all_logits=True),
+                                       atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["oracle", "offload"])

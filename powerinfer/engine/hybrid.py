@@ -121,6 +121,9 @@ class Tier:
         self.w_up = None if self.w_up is None else w_in[self.n :]
         self.wt_down = w_out.t()
         self.dense_np = (numpy_weights(w_in), numpy_weights(w_out))
+        # rebuilt from the views, or the old arrays would keep the old memory alive
+        self._np = (numpy_weights(self.w_gate), None if self.w_up is None else numpy_weights(self.w_up),
+                    self._np[2], numpy_weights(self.wt_down))
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.w_gate, self.w_up, self.b_in, self.wt_down) if t is not None]
@@ -239,7 +242,9 @@ class HybridFFN:
     def tier_output(self, tier: Tier, x: torch.Tensor, idx: torch.Tensor | None, criterion: int,
                     base: torch.Tensor | None = None) -> torch.Tensor:
         """One tier's FFN output (T, d_out) on the CPU, over rows `idx` (None = all), plus `base`."""
-        if tier.numba and x.shape[0] <= 4 and tier.dense_np is None:
+        if tier.numba and x.shape[0] <= 4:
+            if tier.dense_np is not None and idx is None:
+                return self._dense_layout_tokens(tier, x, criterion, base)
             return self._numba_tier(tier, x, tier.all_rows if idx is None else idx, criterion, base)
         xd = x.to(tier.device, non_blocking=True)
         if idx is None:
@@ -253,6 +258,18 @@ class HybridFFN:
         self.stats.record(n_gpu, n_cpu, self.n_ff, both)
         if self.last_layer:
             self.stats.end_token()
+
+    def _dense_layout_tokens(self, tier: Tier, x: torch.Tensor, criterion: int, base: torch.Tensor | None) -> torch.Tensor:
+        """Every row of a dense-layout tier for a few tokens: the dense FFN kernel per token."""
+        T = x.shape[0]
+        out = np.zeros((T, self.out_features), dtype=np.float32) if base is None else \
+            np.array(base.expand(T, -1).numpy(), dtype=np.float32, order="C")
+        xs = x.contiguous().numpy()
+        b_in = cpu.NO_BIAS if self.gated or tier.b_in is None else tier._np[2]
+        for t in range(T):
+            decode.dense_ffn(xs[t], tier.dense_np[0], b_in, tier.dense_np[1], cpu.NO_BIAS, self.gated, self.act_id,
+                             self.up_act_id, criterion, self._threshold32, out[t])
+        return torch.from_numpy(out)
 
     def _numba_tier(self, tier: Tier, x: torch.Tensor, idx: torch.Tensor, criterion: int,
                     base: torch.Tensor | None) -> torch.Tensor:

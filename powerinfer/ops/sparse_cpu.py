@@ -252,9 +252,10 @@ def _gated_of(a, u, up_act_id, criterion, threshold):
     return v
 
 
-@njit(inline="always", fastmath=True)
+@njit(fastmath=True, cache=True)
 def _neuron_pair(w_gate, w_up, r0, r1, x, act_id, up_act_id, criterion, threshold):
-    """Two neurons' values (as `_neuron_value`) in one pass over x: four row streams."""
+    """Two neurons' values (as `_neuron_value`) in one pass over x: four row streams. Called,
+    not inlined: inlining it into gated_ffn cost ~12 s of compile per weight dtype."""
     if criterion == 1:  # up rows are read only for neurons the gate keeps
         return (_neuron_value(w_gate, w_up, r0, x, act_id, up_act_id, criterion, threshold),
                 _neuron_value(w_gate, w_up, r1, x, act_id, up_act_id, criterion, threshold))

@@ -30,8 +30,11 @@ run: setup
 	$(VENV)/bin/powerinfer generate --chat -p "$(PROMPT)" -n 128 --temperature 0 --dtype bf16 --stats --mode sparse
 	$(VENV)/bin/powerinfer generate --chat -p "$(PROMPT)" -n 128 --temperature 0 --dtype bf16 --stats --mode dense
 
+# Two test processes (-n 2): the suite is dominated by numba's single-threaded compiles.
+# OMP_WAIT_POLICY=PASSIVE keeps each process's idle OpenMP threads from spinning on the
+# cores the other one needs (2-core CI: 10 min 23 s in one process, 6 min 34 s in two).
 test: setup
-	$(PY) -m pytest -q
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2
 
 bench: setup
 	$(PY) benchmarks/dense_vs_transformers.py

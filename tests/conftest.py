@@ -7,8 +7,12 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# Before any OpenMP runtime loads: under `pytest -n 2` (make test) idle threads must sleep,
+# not spin on the cores the other test process needs.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))

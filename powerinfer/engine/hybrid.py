@@ -26,8 +26,8 @@ Prefill (several tokens) always runs dense and batched, per tier, with torch GEM
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -155,6 +155,9 @@ class HybridFFN:
         self.mode = mode
         # sparse mode, predictor bypassed (see load_packed): every gate/up row, true activations
         self.predictor_bypass = predictor_bypass and mode == "sparse"
+        # the criterion when every row is computed: the true activations in oracle mode and
+        # for a bypassed predictor, none in dense and offload mode (and sparse prefill)
+        self.all_rows_criterion = self.criterion_id if mode == "oracle" or self.predictor_bypass else 0
         self.executor = executor
         self.stats = stats
         self.last_layer = last_layer  # ends the token in the stats
@@ -168,8 +171,7 @@ class HybridFFN:
         if x.shape[0] == 1 and self.mode == "sparse" and not self.predictor_bypass:
             gpu_idx, cpu_idx = self.split(self.predictor.active(x))
             return self.run_tiers(x, gpu_idx, cpu_idx, self.criterion_id, record=True, base=base)
-        criterion = self.criterion_id if self.mode == "oracle" or self.predictor_bypass else 0
-        return self.run_tiers(x, None, None, criterion, record=x.shape[0] == 1, base=base)
+        return self.run_tiers(x, None, None, self.all_rows_criterion, record=x.shape[0] == 1, base=base)
 
     def add_one(self, h: np.ndarray, x: np.ndarray) -> bool:
         """Decode fast path: x += FFN(h) in place for one fp32 token (d,), in one kernel call,
@@ -180,11 +182,8 @@ class HybridFFN:
             return False
         if tier.dense_np is not None:  # every row, dense layout: the dense FFN kernel
             self._record(0, tier.n, False)
-            criterion = 0 if self.mode == "dense" else self.criterion_id
-            b_in = cpu.NO_BIAS if self.gated or tier.b_in is None else tier._np[2]
             b_out = cpu.NO_BIAS if self.b_out is None else self.b_out.numpy()
-            decode.dense_ffn(h, tier.dense_np[0], b_in, tier.dense_np[1], b_out, self.gated, self.act_id,
-                             self.up_act_id, criterion, self._threshold32, x)
+            self._dense_into(tier, h, self.all_rows_criterion, b_out, x)
             return True
         if self.b_out is not None:
             return False
@@ -195,7 +194,7 @@ class HybridFFN:
             criterion = self.criterion_id
         else:
             idx = tier.all_rows_np
-            criterion = self.criterion_id if self.mode == "oracle" or self.predictor_bypass else 0
+            criterion = self.all_rows_criterion
         self._record(0, idx.shape[0], False)
         if idx.shape[0]:
             self._numba_into(tier, h[None], idx, criterion, x[None])
@@ -265,11 +264,15 @@ class HybridFFN:
         out = np.zeros((T, self.out_features), dtype=np.float32) if base is None else \
             np.array(base.expand(T, -1).numpy(), dtype=np.float32, order="C")
         xs = x.contiguous().numpy()
-        b_in = cpu.NO_BIAS if self.gated or tier.b_in is None else tier._np[2]
         for t in range(T):
-            decode.dense_ffn(xs[t], tier.dense_np[0], b_in, tier.dense_np[1], cpu.NO_BIAS, self.gated, self.act_id,
-                             self.up_act_id, criterion, self._threshold32, out[t])
+            self._dense_into(tier, xs[t], criterion, cpu.NO_BIAS, out[t])
         return torch.from_numpy(out)
+
+    def _dense_into(self, tier: Tier, h: np.ndarray, criterion: int, b_out: np.ndarray, x: np.ndarray) -> None:
+        """x (d_out,) += a dense-layout tier's FFN of one token h (d,), every row (+ b_out)."""
+        b_in = cpu.NO_BIAS if self.gated or tier.b_in is None else tier._np[2]  # gated tiers have no input bias
+        decode.dense_ffn(h, tier.dense_np[0], b_in, tier.dense_np[1], b_out, self.gated, self.act_id, self.up_act_id,
+                         criterion, self._threshold32, x)
 
     def _numba_tier(self, tier: Tier, x: torch.Tensor, idx: torch.Tensor, criterion: int,
                     base: torch.Tensor | None) -> torch.Tensor:
@@ -287,7 +290,7 @@ class HybridFFN:
         if self.gated:
             h = np.empty((x.shape[0], idx.shape[0]), dtype=np.float32)
             sparse_cpu.gated_ffn(wg, wu, wd, x, idx, self.act_id, self.up_act_id, criterion,
-                                 np.float32(self.threshold), chunks, h, out, True)
+                                 self._threshold32, chunks, h, out, True)
         else:
             a = np.empty((x.shape[0], idx.shape[0]), dtype=np.float32)
             # an empty index array means "all rows" to row_gemv, which is what idx holds then

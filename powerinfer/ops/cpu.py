@@ -148,6 +148,19 @@ def _act(v, act_id):
     return np.float32(0.5) * v * (np.float32(1.0) + np.tanh(inner))
 
 
+@njit(inline="always", fastmath=True)
+def gated_value(a, u, up_act_id, criterion, threshold):
+    """A gated neuron's value a * up_act(u), a being its activated gate; 0 when off by
+    criterion 2 (|value| <= threshold). Criterion 1 (|a| <= threshold) is the caller's, which
+    may then skip reading the up row."""
+    if up_act_id >= 0:
+        u = _act(u, up_act_id)
+    v = a * u
+    if criterion == 2 and abs(v) <= threshold:
+        return np.float32(0.0)
+    return v
+
+
 @njit(fastmath=True, cache=True)
 def gated_act(h, n_ff, act_id, up_act_id, out):
     """out[i] = act(h[i]) * up_act(h[n_ff + i]); up_act_id < 0 means no activation on up."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .cpu import _act, add_matvec, attend_head, dot4, rms_norm, row_dot, write_kv
+from .cpu import _act, add_matvec, attend_head, dot4, gated_value, rms_norm, row_dot, write_kv
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -53,12 +53,7 @@ def _gated_value(g, u, i, n_ff, b_in, act_id, up_act_id, criterion, threshold):
     a = _act(g, act_id)
     if criterion == 1 and abs(a) <= threshold:
         return np.float32(0.0)
-    if up_act_id >= 0:
-        u = _act(u, up_act_id)
-    v = a * u
-    if criterion == 2 and abs(v) <= threshold:
-        return np.float32(0.0)
-    return v
+    return gated_value(a, u, up_act_id, criterion, threshold)
 
 
 @njit(parallel=True, fastmath=True, cache=True)

@@ -18,7 +18,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from .cpu import _act, dot4, row_dot
+from .cpu import _act, dot4, gated_value, row_dot
 from .numba_half import widen
 
 
@@ -233,23 +233,7 @@ def _neuron_value(w_gate, w_up, r, x, act_id, up_act_id, criterion, threshold):
     a = _act(row_dot(w_gate, r, x), act_id)
     if criterion == 1 and abs(a) <= threshold:
         return np.float32(0.0)
-    u = row_dot(w_up, r, x)
-    if up_act_id >= 0:
-        u = _act(u, up_act_id)
-    v = a * u
-    if criterion == 2 and abs(v) <= threshold:
-        return np.float32(0.0)
-    return v
-
-
-@njit(inline="always", fastmath=True)
-def _gated_of(a, u, up_act_id, criterion, threshold):
-    if up_act_id >= 0:
-        u = _act(u, up_act_id)
-    v = a * u
-    if criterion == 2 and abs(v) <= threshold:
-        return np.float32(0.0)
-    return v
+    return gated_value(a, row_dot(w_up, r, x), up_act_id, criterion, threshold)
 
 
 @njit(fastmath=True, cache=True)
@@ -266,8 +250,8 @@ def _neuron_pair(w_gate, w_up, r0, r1, x, act_id, up_act_id, criterion, threshol
         u0 += widen(w_up[r0, j]) * xj
         g1 += widen(w_gate[r1, j]) * xj
         u1 += widen(w_up[r1, j]) * xj
-    return (_gated_of(_act(g0, act_id), u0, up_act_id, criterion, threshold),
-            _gated_of(_act(g1, act_id), u1, up_act_id, criterion, threshold))
+    return (gated_value(_act(g0, act_id), u0, up_act_id, criterion, threshold),
+            gated_value(_act(g1, act_id), u1, up_act_id, criterion, threshold))
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -334,16 +318,8 @@ def gated_ffn(w_gate, w_up, wt_down, x, idx, act_id, up_act_id, criterion, thres
                     if criterion == 1 and abs(a) <= threshold:
                         h[t, kk] = 0.0
                         continue
-                    if full and criterion != 1:
-                        u = ups[kk - k0]
-                    else:
-                        u = _dot1(w_up, np.int64(idx[kk]), x, t)
-                    if up_act_id >= 0:
-                        u = _act(u, up_act_id)
-                    v = a * u
-                    if criterion == 2 and abs(v) <= threshold:
-                        v = np.float32(0.0)
-                    h[t, kk] = v
+                    u = ups[kk - k0] if full and criterion != 1 else _dot1(w_up, np.int64(idx[kk]), x, t)
+                    h[t, kk] = gated_value(a, u, up_act_id, criterion, threshold)
         for t in range(T):
             _down_chunk(wt_down, idx, h[t], lo, hi, acc[c, t], sequential_down)
     _reduce_chunks(acc, out, accumulate)

@@ -54,7 +54,9 @@ def resolve_model_path(path: str | None) -> str:
 
 
 def read_model(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor | None]]:
-    """Model arguments and canonical fp32 state dict of a GGUF file or HF directory."""
+    """Model arguments and canonical state dict of a GGUF file or HF directory: float
+    weights in their stored dtype (F16 stays 16-bit: half the memory of fp32), quantized ones
+    dequantized to fp32. Consumers convert to the dtype they run in."""
     if os.path.isdir(path):
         ckpt = open_hf_dir(path)
         family = family_module(str(ckpt.config.get("model_type", "")))

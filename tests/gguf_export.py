@@ -13,8 +13,10 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def export_gguf(hf_dir: Path, out: Path, arch: str = "llama", raw_types: dict[str, int] | None = None) -> Path:
-    """Convert the tiny HF model in `hf_dir` to GGUF; `raw_types` forces a tensor's GGML type."""
+def export_gguf(hf_dir: Path, out: Path, arch: str = "llama", raw_types: dict[str, int] | None = None,
+                f16: bool = False) -> Path:
+    """Convert the tiny HF model in `hf_dir` to GGUF; `raw_types` forces a tensor's GGML type;
+    `f16` stores the matrices as F16 (norms stay F32, as llama.cpp's converter does)."""
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -53,7 +55,7 @@ def export_gguf(hf_dir: Path, out: Path, arch: str = "llama", raw_types: dict[st
             raw = np.zeros((t.shape[0], t.shape[-1] // block * type_size), dtype=np.uint8)
             w.add_tensor(name, raw, raw_dtype=raw_types[name])
         else:
-            w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
+            w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float16 if f16 and t.ndim == 2 else np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -47,3 +47,23 @@ def test_quant_type_gguf_cannot_dequantize_is_refused(tmp_path):
                        raw_types={"blk.0.ffn_up.weight": GGMLQuantizationType.Q8_1})
     with pytest.raises(UnsupportedModelError, match="Q8_1"):
         load(str(path), with_tokenizer=False)
+
+
+def test_f16_gguf_keeps_16_bit_weights_and_matches_transformers(tmp_path):
+    """F16 tensors are read in their stored dtype (half the memory of an fp32 copy; a 7B F16
+    model would not fit this machine's RAM as fp32), and the model still matches the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    from powerinfer.loader import read_model
+
+    hf_dir = _hf_dir("llama", tmp_path)
+    path = export_gguf(hf_dir, tmp_path / "tiny-f16.gguf", "llama", f16=True)
+    _, state = read_model(str(path))
+    assert state["layers.0.ffn.w_in"].dtype == torch.float16 and state["layers.0.wqkv"].dtype == torch.float16
+    assert state["layers.0.attn_norm.weight"].dtype == torch.float32
+    tokens = torch.randint(0, 96, (10,))
+    model = load(str(path), with_tokenizer=False).model
+    got = model.forward(tokens, model.new_cache(10), all_logits=True)
+    oracle = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(got, oracle(tokens[None]).logits[0], atol=1e-4, rtol=1e-4)

@@ -78,7 +78,9 @@ def _read_shards(path: str, manifest: dict) -> dict[str, dict[str, torch.Tensor]
 def _tier_tensors(shards: dict, layer: int, tier: str, args: ModelArgs, path: str) -> dict[str, torch.Tensor | None]:
     q = f"layers.{layer}.ffn.{tier}."
     sh = shards[tier]
-    got = {k: sh.get(q + k) for k in ("gate", "up", "b_in", "down_t", "neurons")}
+    # popped: once the tier has its own copies (huge pages, run dtype) the shard's are freed,
+    # so loading peaks near the model's size instead of twice it
+    got = {k: sh.pop(q + k, None) for k in ("gate", "up", "b_in", "down_t", "neurons")}
     n = None if got["neurons"] is None else got["neurons"].shape[0]
     d_out = args.d_model
     ok = (n is not None and got["gate"] is not None and got["down_t"] is not None

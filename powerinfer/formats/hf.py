@@ -26,14 +26,18 @@ class HFCheckpoint:
     def has(self, name: str) -> bool:
         return name in self._files
 
-    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor `name` in `dtype`, or with None in its stored dtype (fp32 for non-float ones)."""
         from safetensors import SafetensorError, safe_open
 
         if name not in self._files:
             raise ModelFileError(f"{self.path}: tensor {name} is missing")
         try:
             with safe_open(self._files[name], framework="pt") as f:
-                return f.get_tensor(name).to(dtype)
+                t = f.get_tensor(name)
+                if dtype is None:
+                    return t if t.is_floating_point() else t.float()
+                return t.to(dtype)
         except SafetensorError as e:
             raise ModelFileError(f"{self._files[name]}: corrupt safetensors file ({e})") from None
 

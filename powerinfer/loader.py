@@ -11,8 +11,9 @@ from .errors import BadArgumentError, ModelFileError
 from .formats.gguf import GGUF_MAGIC, open_gguf
 from .formats.hf import open_hf_dir
 from .models import family_module
-from .ops import cpu
 from .models.base import Model, ModelArgs
+from .ops import cpu
+from .ops.memory import drop_file_cache
 from .paths import default_model_path
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -68,6 +69,13 @@ def read_model(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor | None]]:
     return args, family.state_from_gguf(g, args)
 
 
+def model_files(path: str) -> list[str]:
+    """The files a model is read from: the GGUF file, or a directory's safetensors files."""
+    if os.path.isfile(path):
+        return [path]
+    return [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".safetensors")]
+
+
 def set_threads(threads: int | None) -> None:
     """Use `threads` CPU threads for torch and the numba kernels (None: leave as is)."""
     if threads is not None:
@@ -85,5 +93,7 @@ def load(path: str | None = None, dtype: str | torch.dtype = "fp32", threads: in
     torch_dtype = parse_dtype(dtype)
     args, state = read_model(path)
     model = Model(args, state, torch_dtype)
+    del state  # the last references to the mapped file: its cached pages can go now
+    drop_file_cache(*model_files(path))
     tokenizer = load_tokenizer(path, args.eos_token_ids) if with_tokenizer else None
     return LoadedModel(model=model, tokenizer=tokenizer, path=path)

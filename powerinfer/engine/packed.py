@@ -19,7 +19,7 @@ from ..loader import LoadedModel, parse_dtype, set_threads
 from ..manifest import read_manifest as read_json_manifest
 from ..models.base import DenseTier, Model, ModelArgs
 from ..offline.pack import FORMAT, FORMAT_VERSION, SHARDS
-from ..ops.memory import on_huge_pages
+from ..ops.memory import drop_file_cache, on_huge_pages
 from ..paths import content_hash
 from .hybrid import MODES, FFNStats, HybridFFN, Predictor, Tier
 
@@ -202,6 +202,8 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
     tier = DenseTier(device=dev if on_tier else None, dtype=torch_dtype if dev.type == "cpu" else _gpu_dtype(torch_dtype),
                      attention=attention, head=dense_on_gpu, kv=kv_on_gpu)
     model = Model(args, dense_state, torch_dtype, ffns=ffns, tier=tier)
+    del dense_state, shards  # every tensor now has its own copy: the shards' cached pages can go
+    drop_file_cache(*(os.path.join(path, s["file"]) for s in manifest["shards"].values()))
     model.ffn_stats = stats
     model.packed = {"path": path, "mode": mode, "gpu_device": str(dev), "manifest": manifest}
     tokenizer = None

@@ -165,17 +165,22 @@ class Model:
         self.tier = tier or DenseTier()
         t = self.tier
 
+        def owned(w: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+            # a tensor still sharing the state's memory (a view of a mapped model file) is
+            # copied, so that the file can be unmapped and its cached pages dropped
+            return w.clone() if w.untyped_storage().data_ptr() == source.untyped_storage().data_ptr() else w
+
         def get(name: str, on_tier: bool = False) -> torch.Tensor | None:
             w = state.get(name)
             if w is None:
                 return None
             if on_tier:
-                return w.to(device=t.device, dtype=t.dtype or dtype).contiguous()
-            return w.to(dtype).contiguous()
+                return owned(w.to(device=t.device, dtype=t.dtype or dtype).contiguous(), w)
+            return owned(w.to(dtype).contiguous(), w)
 
         def get32(name: str, on_tier: bool = False) -> torch.Tensor | None:
             w = state.get(name)
-            return None if w is None else w.float().to(t.device if on_tier else "cpu").contiguous()
+            return None if w is None else owned(w.float().to(t.device if on_tier else "cpu").contiguous(), w)
 
         def linear(name: str, bias: str | None = None, on_tier: bool = False) -> Linear | None:
             w = get(name, on_tier)

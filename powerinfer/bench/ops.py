@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
             raise BadArgumentError(f"unknown dtype {name!r}")
         results += bench_dtype(parse_dtype(name), args.rows, args.cols, fractions, args.repeats)
-    print(f"\nshape {args.rows} x {args.cols}; memory read bandwidth (best parallel sum over 1 GiB): {bandwidth:.1f} GB/s; "
+    print(f"\nshape {args.rows} x {args.cols}; memory read bandwidth (best parallel read of 1 GiB): {bandwidth:.1f} GB/s; "
           f"threads {torch.get_num_threads()}; LLC {last_level_cache_bytes() >> 20} MiB\n")
     print("| dtype | active | dense torch us | sparse row us | speedup | GB/s (% of mem) | sparse col AXPY us | "
           "speedup | GB/s (% of mem) | index_select us | speedup |")

@@ -7,18 +7,20 @@ Shape: d 4096, FFN 11008, 32 heads (ReluLLaMA-7B); `--layers` of them (default 1
 and the packed model, 7.3 GB each, fit a 24 GB machine, and the working set is ~200x the
 last-level cache). The layer count sets the ceiling of sparse / dense: the attention
 weights and the LM head are read by both engines, so at 10% active neurons the bytes per
-token give at most 2.10x with 8 layers, 2.31x with 16 and 2.37x with all 32. The model is written as an F16 GGUF file of the llama architecture, with
-SmolLM2's tokenizer embedded, so other GGUF engines load the very same file (they run it as
-a SiLU model; the speed comparison does not depend on the activation).
+token give at most 2.10x with 8 layers, 2.31x with 16 and 2.37x with all 32.
+
+The model is written as an F16 GGUF file of the llama architecture, with SmolLM2's
+tokenizer embedded, so other GGUF engines load the very same file (they run it as a SiLU
+model; the speed comparison does not depend on the activation).
 
 Planted pattern: each layer's neuron firing rates follow a power law with the given mean
 sparsity (offline/synthetic.py, 20% of neurons carry 80% of activations); the predictors
 are planted to select each neuron with its rate (a per-neuron bias plus input-dependent
 noise standardised on real hidden states, then one offset per layer calibrated on the sparse
 model's own decode), so about 10% of neurons are computed per token and the set changes
-from token to token. The bound is this machine's read bandwidth,
-measured in the same run, over the bytes a token must read: all attention weights and the
-LM head, the predictors, and the active neurons' gate, up and down rows.
+from token to token. The bound is this machine's read bandwidth, measured in the same run,
+over the bytes a token must read: all attention weights and the LM head, the predictors,
+and the active neurons' gate, up and down rows.
 """
 
 from __future__ import annotations
@@ -51,14 +53,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=None, help="where to write the GGUF and packed model (default: a temp dir)")
 
 
-def write_gguf(path: str, n_layers: int, seed: int = 0) -> None:
-    """Random F16 llama-architecture GGUF with SmolLM2's tokenizer metadata."""
+def tokenizer_source():
+    """The GGUF reader of the file whose tokenizer the benchmark model embeds (SmolLM2's)."""
     import gguf
 
     from ..paths import default_model_path
 
-    src = gguf.GGUFReader(default_model_path())
-    vocab = len(src.fields["tokenizer.ggml.tokens"].contents())
+    return gguf.GGUFReader(default_model_path())
+
+
+def vocab_size(src) -> int:
+    return len(src.fields["tokenizer.ggml.tokens"].contents())
+
+
+def write_gguf(path: str, n_layers: int, seed: int = 0, src=None) -> None:
+    """Random F16 llama-architecture GGUF with the tokenizer metadata of `src` (default
+    `tokenizer_source()`)."""
+    import gguf
+
+    src = src or tokenizer_source()
+    vocab = vocab_size(src)
     w = gguf.GGUFWriter(path, "llama")
     w.add_name("relullama-7b-shaped-random")
     w.add_block_count(n_layers)
@@ -174,17 +188,18 @@ def calibrate_active_share(sparse, target: float, n: int = 32, max_passes: int =
 PEAK_OVER_MODEL = 2.6
 
 
-def model_bytes(layers: int) -> int:
-    """16-bit weight bytes of the 7B-shaped model with `layers` layers and SmolLM2's vocabulary."""
-    return 2 * (layers * (4 * D * D + 3 * D * N_FF) + 2 * 49152 * D)
+def model_bytes(layers: int, vocab: int) -> int:
+    """16-bit weight bytes of the 7B-shaped model with `layers` layers (embeddings and LM head
+    of `vocab` rows each)."""
+    return 2 * (layers * (4 * D * D + 3 * D * N_FF) + 2 * vocab * D)
 
 
-def check_memory(layers: int) -> None:
+def check_memory(layers: int, vocab: int) -> None:
     """Refuse, in one line, a layer count whose run would not fit in this machine's memory."""
     from ..engine.packed import _available_ram
     from ..errors import BadArgumentError
 
-    need, have = PEAK_OVER_MODEL * model_bytes(layers), _available_ram()
+    need, have = PEAK_OVER_MODEL * model_bytes(layers, vocab), _available_ram()
     if need > have:
         raise BadArgumentError(f"--layers {layers} needs about {need / 2**30:.1f} GiB of memory (the dense model, "
                                f"its packed copy and load buffers), {have / 2**30:.1f} GiB are available; try a smaller --layers")
@@ -204,13 +219,14 @@ def run(args: argparse.Namespace) -> int:
     from .timing import memory_read_bandwidth
 
     torch.set_num_threads(args.threads)
-    check_memory(args.layers)
+    src = tokenizer_source()
+    check_memory(args.layers, vocab_size(src))
     root = args.dir or tempfile.mkdtemp(prefix="relu7b-")
     os.makedirs(root, exist_ok=True)
     gguf_path = os.path.join(root, f"relullama-7b-shaped-{args.layers}l.f16.gguf")
     if not os.path.isfile(gguf_path):
         print(f"writing {gguf_path}", file=sys.stderr)
-        write_gguf(gguf_path, args.layers)
+        write_gguf(gguf_path, args.layers, src=src)
     model_hash = content_hash(gguf_path)
     dense = load(gguf_path, dtype=args.dtype, threads=args.threads, with_tokenizer=False)
     profile = synthetic_profile(args.layers, N_FF, sparsity=args.sparsity)

@@ -260,13 +260,18 @@ class HybridFFN:
 
     def _dense_layout_tokens(self, tier: Tier, x: torch.Tensor, criterion: int, base: torch.Tensor | None) -> torch.Tensor:
         """Every row of a dense-layout tier for a few tokens: the dense FFN kernel per token."""
-        T = x.shape[0]
-        out = np.zeros((T, self.out_features), dtype=np.float32) if base is None else \
-            np.array(base.expand(T, -1).numpy(), dtype=np.float32, order="C")
+        out = self._output_buffer(x.shape[0], base)
         xs = x.contiguous().numpy()
-        for t in range(T):
+        for t in range(x.shape[0]):
             self._dense_into(tier, xs[t], criterion, cpu.NO_BIAS, out[t])
         return torch.from_numpy(out)
+
+    def _output_buffer(self, T: int, base: torch.Tensor | None) -> np.ndarray:
+        """A fresh (T, d_out) fp32 buffer for a numba tier to accumulate into: zeros, or a copy
+        of `base` (the caller's, so never written)."""
+        if base is None:
+            return np.zeros((T, self.out_features), dtype=np.float32)
+        return np.array(base.expand(T, -1).numpy(), dtype=np.float32, order="C")
 
     def _dense_into(self, tier: Tier, h: np.ndarray, criterion: int, b_out: np.ndarray, x: np.ndarray) -> None:
         """x (d_out,) += a dense-layout tier's FFN of one token h (d,), every row (+ b_out)."""
@@ -276,10 +281,7 @@ class HybridFFN:
 
     def _numba_tier(self, tier: Tier, x: torch.Tensor, idx: torch.Tensor, criterion: int,
                     base: torch.Tensor | None) -> torch.Tensor:
-        if base is None:
-            out = np.zeros((x.shape[0], tier.wt_down.shape[1]), dtype=np.float32)
-        else:
-            out = np.array(base.numpy(), dtype=np.float32, order="C")  # a copy: base is the caller's
+        out = self._output_buffer(x.shape[0], base)
         self._numba_into(tier, x.contiguous().numpy(), idx.numpy(), criterion, out)
         return torch.from_numpy(out)
 

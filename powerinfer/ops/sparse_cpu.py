@@ -63,6 +63,7 @@ def _row_of(idx, kk, dense):
 
 @njit(inline="always", fastmath=True)
 def _finish_row(v, r, bias, act_id):
+    """A row dot's output: + bias[r] (when there is a bias), then the activation (act_id >= 0)."""
     if bias.shape[0] > 0:
         v += bias[r]
     if act_id >= 0:
@@ -76,7 +77,6 @@ def row_gemv(w, x, idx, bias, act_id, out):
     T = x.shape[0]
     dense = idx.shape[0] == 0
     k = w.shape[0] if dense else idx.shape[0]
-    has_bias = bias.shape[0] > 0
     if 2 * k >= w.shape[0] and w.shape[1] <= SHORT_ROW:
         # Dense-ish sets of short rows: step kk reads rows kk, kk + q, kk + 2q, kk + 3q of the
         # set (q = k/4), so each thread reads four distant sequential streams (cpu.add_matvec;
@@ -112,12 +112,7 @@ def row_gemv(w, x, idx, bias, act_id, out):
         for kk in range(k0, min(k0 + ROW_BLOCK, k)):
             r = _row_of(idx, kk, dense)
             for t in range(T):
-                v = out[t, kk]
-                if has_bias:
-                    v += bias[r]
-                if act_id >= 0:
-                    v = _act(v, act_id)
-                out[t, kk] = v
+                out[t, kk] = _finish_row(out[t, kk], r, bias, act_id)
 
 
 @njit(fastmath=True, cache=True)

@@ -31,6 +31,17 @@ def isolated_cache(tmp_path_factory):
         os.environ["POWERINFER_CACHE"] = old
 
 
+# The GPU tier's device: the CPU always (the virtual GPU tier CI runs), CUDA where there is one
+# (select those runs with `-k cuda`; benchmarks/gpu_check.sh does on a lent GPU).
+GPU_TIERS = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                   reason="no CUDA device"))]
+
+
+@pytest.fixture(params=GPU_TIERS)
+def gpu_tier(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     from powerinfer.paths import default_model_path

@@ -96,6 +96,23 @@ def test_bench_ops_runs_on_a_small_shape(tmp_path):
     assert plot.stat().st_size > 1000
 
 
+def test_bench_ops_times_the_gpu_tier_ops_and_refuses_a_missing_device(monkeypatch):
+    """`--device cuda` times ops/gpu.py's torch ops; here they run on CPU tensors (the same
+    code, CUDA only adds the synchronize)."""
+    import torch
+
+    from powerinfer.bench import ops
+    from powerinfer.bench.ops import bench_dtype
+
+    monkeypatch.setattr(ops, "cache_bytes", lambda device: 0)  # four small matrices, not thousands
+    rows = bench_dtype(torch.float16, 200, 48, [0.1, 1.0], 1, torch.device("cpu"), torch_ops=True)
+    assert [r["k"] for r in rows] == [20, 200]
+    assert all(r["row_us"] > 0 and r["col_us"] > 0 and r["dense_us"] > 0 for r in rows)
+    if not torch.cuda.is_available():
+        assert_clean_error(run_cli("bench", "ops", "--device", "cuda"), "no CUDA device")
+    assert_clean_error(run_cli("bench", "ops", "--device", "tpu"), "unknown --device")
+
+
 def test_bench_relu7b_refuses_a_model_that_does_not_fit(tmp_path):
     """Checked before anything is written: 512 layers of the 7B shape need ~500 GiB."""
     assert_clean_error(run_cli("bench", "relu7b", "--layers", "512", "--dir", str(tmp_path / "r")), "GiB of memory")

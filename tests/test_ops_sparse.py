@@ -103,6 +103,35 @@ def test_predictor_and_threshold_to_index(dtype, tokens):
     assert sparse.threshold_to_index(expected, 0.0, torch.int32).dtype == torch.int32
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["random", "empty", "full"])
+def test_cuda_ops_equal_the_reference(dtype, kind):
+    """The public ops with CUDA tensors (dispatched to the GPU tier's torch code) equal the
+    CPU reference: row GEMV, column AXPY, the gated FFN, predictor and threshold-to-index."""
+    cuda = torch.device("cuda")
+    w, wu = torch.randn(N, D).to(dtype), torch.randn(N, D).to(dtype)
+    wt = (torch.randn(N, D + 6) * 0.1).to(dtype)
+    x, bias = torch.randn(3, D) * 0.3, torch.randn(N)
+    idx = index_set(kind)
+    a = torch.randn(3, len(idx))
+    got = sparse.sparse_row_gemv(w.to(cuda), x.to(cuda), idx.to(cuda), bias.to(cuda), "relu")
+    assert got.device.type == "cuda"
+    torch.testing.assert_close(got.cpu(), reference.sparse_row_gemv(w, x, idx, bias, "relu"), **tol(dtype))
+    torch.testing.assert_close(sparse.sparse_col_axpy(wt.to(cuda), a.to(cuda), idx.to(cuda)).cpu(),
+                               reference.sparse_col_axpy(wt, a, idx), **tol(dtype))
+    out, h = sparse.sparse_gated_ffn(w.to(cuda), wu.to(cuda), wt.to(cuda), x.to(cuda), idx.to(cuda), "silu", None,
+                                     "gate_up", 0.3)
+    exp_out, exp_h = reference.sparse_gated_ffn(w, wu, wt, x, idx, "silu", None, "gate_up", 0.3)
+    torch.testing.assert_close(out.cpu(), exp_out, **tol(dtype))
+    torch.testing.assert_close(h.cpu(), exp_h, **tol(dtype))
+    w2, b2 = torch.randn(N, 13).to(dtype), torch.randn(N)
+    logits = sparse.predictor_logits(w[:13].to(cuda), bias[:13].to(cuda), w2.to(cuda), b2.to(cuda), x.to(cuda))
+    expected = reference.predictor_logits(w[:13], bias[:13], w2, b2, x)
+    torch.testing.assert_close(logits.cpu(), expected, **tol(dtype))
+    assert torch.equal(sparse.threshold_to_index(expected.to(cuda), 0.5).cpu(), reference.threshold_to_index(expected, 0.5))
+
+
 @pytest.mark.parametrize("bad,message", [
     (torch.tensor([0, 5, N]), "out of range"),
     (torch.tensor([3, -1]), "out of range"),

@@ -77,6 +77,12 @@ def packed(p: SimpleNamespace, name: str, placement: dict | None, predictors=Tru
     return out
 
 
+def load(path: str, tier: str = "cpu", **kw):
+    """load_packed with the GPU tier on `tier`; on CUDA in fp32 (its default there is fp16),
+    so that comparisons with the fp32 dense model stay tight."""
+    return load_packed(path, gpu_device=tier, gpu_dtype="fp32" if tier == "cuda" else None, **kw)
+
+
 def prompt_ids(lm) -> torch.Tensor:
     return torch.tensor(lm.tokenizer.encode("Hello there! Tell me about the ocean and its tides, please."))
 
@@ -88,8 +94,8 @@ def decode_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("placement", ["all_cpu", "all_gpu", "split", "mixed"])
-def test_relu_oracle_equals_dense_for_every_placement(relu, placement):
-    plm = load_packed(packed(relu, placement, placements(relu.hash)[placement]), mode="oracle")
+def test_relu_oracle_equals_dense_for_every_placement(relu, placement, gpu_tier):
+    plm = load(packed(relu, placement, placements(relu.hash)[placement]), gpu_tier, mode="oracle")
     ids = prompt_ids(relu.lm)
     dense = relu.lm.model
     ref = dense.forward(ids, dense.new_cache(64), all_logits=True)
@@ -101,7 +107,7 @@ def test_relu_oracle_equals_dense_for_every_placement(relu, placement):
 
 
 @pytest.mark.parametrize("placement", ["all_cpu", "split"])
-def test_silu_oracle_and_sparse_equal_the_instrumented_reference(silu, placement):
+def test_silu_oracle_and_sparse_equal_the_instrumented_reference(silu, placement, gpu_tier):
     """Oracle = dense with neurons at or below the calibrated threshold zeroed; sparse =
     additionally only the predicted ones (what `train --eval` measures), token by token."""
     ids = prompt_ids(silu.lm)
@@ -113,11 +119,11 @@ def test_silu_oracle_and_sparse_equal_the_instrumented_reference(silu, placement
         ref_sparse = decode_logits(model, ids)
     dense = model.forward(ids, model.new_cache(64), all_logits=True)
     path = packed(silu, placement, placements(silu.hash)[placement])
-    oracle = load_packed(path, mode="oracle").model
+    oracle = load(path, gpu_tier, mode="oracle").model
     torch.testing.assert_close(oracle.forward(ids, oracle.new_cache(64), all_logits=True), ref_oracle,
                                atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(decode_logits(oracle, ids), ref_oracle_decode, atol=2e-5, rtol=1e-5)
-    sparse = load_packed(path, mode="sparse", predictor_bypass=None).model
+    sparse = load(path, gpu_tier, mode="sparse", predictor_bypass=None).model
     torch.testing.assert_close(decode_logits(sparse, ids), ref_sparse, atol=5e-5, rtol=1e-5)
     # the sparse model skips neurons, and the thresholds and predictors really change the output
     # (random weights: the predictors are barely better than chance, so they skip few)
@@ -125,7 +131,7 @@ def test_silu_oracle_and_sparse_equal_the_instrumented_reference(silu, placement
     assert not torch.allclose(ref_oracle, dense, atol=1e-3)
     assert not torch.allclose(ref_sparse, ref_oracle_decode, atol=1e-3)
     # dense mode on the packed model is the dense model; prefill in sparse mode is dense too
-    d = load_packed(path, mode="dense").model
+    d = load(path, gpu_tier, mode="dense").model
     torch.testing.assert_close(d.forward(ids, d.new_cache(64), all_logits=True), dense, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(sparse.forward(ids, sparse.new_cache(64), all_logits=True), dense, atol=2e-5, rtol=1e-5)
 
@@ -191,9 +197,11 @@ def test_relu7b_calibration_reaches_the_target_share(silu, placement):
     assert abs(model.ffn_stats.active_fraction - 0.3) < 0.12, model.ffn_stats.active_fraction
 
 
-def test_split_computes_each_active_neuron_exactly_once(silu):
-    split = load_packed(packed(silu, "split", placements(silu.hash)["split"]), mode="sparse", predictor_bypass=None).model
-    single = load_packed(packed(silu, "all_cpu", placements(silu.hash)["all_cpu"]), mode="sparse", predictor_bypass=None).model
+def test_split_computes_each_active_neuron_exactly_once(silu, gpu_tier):
+    split = load(packed(silu, "split", placements(silu.hash)["split"]), gpu_tier, mode="sparse",
+                 predictor_bypass=None).model
+    single = load(packed(silu, "all_cpu", placements(silu.hash)["all_cpu"]), gpu_tier, mode="sparse",
+                  predictor_bypass=None).model  # the same predictor device: the same active sets
     g = torch.Generator().manual_seed(0)
     for layer_s, layer_1 in zip(split.layers, single.layers):
         fs, f1 = layer_s.ffn, layer_1.ffn
@@ -228,9 +236,10 @@ class CountingExecutor:
         return f
 
 
-def test_selective_sync_skips_the_merge_when_the_cpu_part_is_empty(relu):
+def test_selective_sync_skips_the_merge_when_the_cpu_part_is_empty(relu, gpu_tier):
     ids = prompt_ids(relu.lm)
-    all_gpu = load_packed(packed(relu, "all_gpu", placements(relu.hash)["all_gpu"]), mode="sparse", predictor_bypass=None).model
+    all_gpu = load(packed(relu, "all_gpu", placements(relu.hash)["all_gpu"]), gpu_tier, mode="sparse",
+                   predictor_bypass=None).model
     ex = CountingExecutor()
     for layer in all_gpu.layers:
         layer.ffn.executor = ex
@@ -238,7 +247,8 @@ def test_selective_sync_skips_the_merge_when_the_cpu_part_is_empty(relu):
     st = all_gpu.ffn_stats
     assert st.layer_calls == LAYERS * len(ids) and st.synced == 0 and st.skipped_sync == st.layer_calls
     assert ex.submits == 0 and st.active_cpu == 0 and st.gpu_share == 1.0
-    split = load_packed(packed(relu, "split", placements(relu.hash)["split"]), mode="sparse", predictor_bypass=None).model
+    split = load(packed(relu, "split", placements(relu.hash)["split"]), gpu_tier, mode="sparse",
+                 predictor_bypass=None).model
     ex = CountingExecutor()
     for layer in split.layers:
         layer.ffn.executor = ex
@@ -248,10 +258,10 @@ def test_selective_sync_skips_the_merge_when_the_cpu_part_is_empty(relu):
     assert len(split.ffn_stats.per_token_active) == len(ids)
 
 
-def test_offload_mode_puts_whole_layers_on_the_gpu_tier(relu):
+def test_offload_mode_puts_whole_layers_on_the_gpu_tier(relu, gpu_tier):
     pl = placements(relu.hash)["split"]
     pl["baselines"]["offload"]["gpu_layers"] = 2
-    m = load_packed(packed(relu, "split-offload", pl), mode="offload").model
+    m = load(packed(relu, "split-offload", pl), gpu_tier, mode="offload").model
     assert [(l.ffn.gpu.n, l.ffn.cpu.n) for l in m.layers] == [(N_FF, 0), (N_FF, 0), (0, N_FF)]
     ids = prompt_ids(relu.lm)
     torch.testing.assert_close(decode_logits(m, ids), decode_logits(relu.lm.model, ids), atol=2e-5, rtol=1e-5)
@@ -301,12 +311,12 @@ def test_plain_ffn_families_oracle_and_sparse(tmp_path, name):
 
 
 @pytest.mark.parametrize("mode", ["oracle", "offload"])
-def test_dense_parts_and_kv_cache_on_the_gpu_tier_equal_dense(relu, mode):
+def test_dense_parts_and_kv_cache_on_the_gpu_tier_equal_dense(relu, mode, gpu_tier):
     """A placement with dense_on_gpu puts attention, embeddings and LM head on the GPU tier
     (offload: the offloaded layers' attention), --kv-on-gpu the KV cache; the GPU tier's torch
     code then serves them (here on CPU tensors) and the model still equals the dense one."""
     placement = {**placements(relu.hash)["split"], "dense_on_gpu": True, "baselines": {"offload": {"gpu_layers": 2}}}
-    plm = load_packed(packed(relu, "split-dense-on-gpu", placement), mode=mode, kv_on_gpu=True)
+    plm = load(packed(relu, "split-dense-on-gpu", placement), gpu_tier, mode=mode, kv_on_gpu=True)
     model = plm.model
     expect = [True] * LAYERS if mode == "oracle" else [True, True, False]
     assert [layer.attn.qkv.w_np is None for layer in model.layers] == expect
@@ -321,9 +331,26 @@ def test_dense_parts_and_kv_cache_on_the_gpu_tier_equal_dense(relu, mode):
     kw = dict(max_tokens=12, temperature=0)
     assert powerinfer.generate(plm, "The sea is", **kw) == powerinfer.generate(relu.lm, "The sea is", **kw)
     # without --kv-on-gpu the cache stays in CPU memory (and the CPU attention kernel serves it)
-    cpu_kv = load_packed(packed(relu, "split-dense-on-gpu", placement), mode=mode).model
+    cpu_kv = load(packed(relu, "split-dense-on-gpu", placement), gpu_tier, mode=mode).model
     assert all(k is not None for k in cpu_kv.new_cache(4).k_np)
     torch.testing.assert_close(decode_logits(cpu_kv, ids), decode_logits(dense, ids), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("mode", ["oracle", "sparse", "offload"])
+def test_cuda_tier_in_its_default_half_dtype_runs_close_to_dense(relu, mode):
+    """On CUDA the GPU tier of an fp32 packed model holds fp16 weights (and attention and the
+    LM head with dense_on_gpu, and the KV cache): logits stay close to the fp32 dense model's."""
+    placement = {**placements(relu.hash)["split"], "dense_on_gpu": True, "baselines": {"offload": {"gpu_layers": 2}}}
+    model = load_packed(packed(relu, "split-dense-on-gpu", placement), mode=mode, gpu_device="cuda", kv_on_gpu=True).model
+    assert model.layers[0].ffn.gpu.w_gate.dtype == torch.float16 and model.layers[0].ffn.gpu.device.type == "cuda"
+    ids = prompt_ids(relu.lm)
+    ref = decode_logits(relu.lm.model, ids)
+    out = decode_logits(model, ids)
+    assert torch.isfinite(out).all()
+    assert (out - ref).abs().max() < 0.05 * ref.abs().max() + 1e-3
+    if mode != "sparse":  # every neuron computed: the same next tokens nearly everywhere
+        assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
 
 
 def test_bf16_packed_model_runs_close_to_fp32(relu):

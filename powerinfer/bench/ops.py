@@ -5,6 +5,11 @@ working set is at least 4x the last-level cache, for each active fraction: the d
 GEMV over all rows, our sparse op over the active rows, and `W.index_select(0, idx) @ x`.
 Reports time, speedup over dense, and effective bandwidth (bytes of active rows / time)
 next to the memory bandwidth measured in the same run, and plots speedup vs fraction.
+
+`--device cuda` runs the same table with CUDA tensors: the GPU tier's torch ops
+(ops/gpu.py) against cuBLAS's dense GEMV, the working set sized by the GPU's L2 cache and
+the bandwidth probe a device-memory read, every timing closed by a device synchronize.
+`--device cpu` (the default) times the numba CPU kernels.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from ..loader import DTYPES, parse_dtype
-from ..ops import sparse, sparse_cpu
+from ..errors import BadArgumentError
+from ..ops import gpu, sparse, sparse_cpu
 from ..ops.memory import on_huge_pages
 from ..ops.numba_half import numpy_weights
 from .timing import last_level_cache_bytes, median_time, memory_read_bandwidth
@@ -33,7 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("-t", "--threads", type=int, default=None)
-    p.add_argument("--plot", default="docs/bench_ops.png", help="PNG to write ('' = none)")
+    p.add_argument("--device", default="cpu", help="cpu (numba kernels, default) or cuda (the GPU tier's ops)")
+    p.add_argument("--plot", default=None,
+                   help="PNG to write ('' = none; default docs/bench_ops.png, docs/bench_ops_cuda.png for cuda)")
 
 
 def _cycle(fns):
@@ -43,32 +51,89 @@ def _cycle(fns):
     return run
 
 
-def bench_dtype(dtype: torch.dtype, rows: int, cols: int, fractions: list[float], repeats: int) -> list[dict]:
+def _synced(fn, device: torch.device):
+    """fn, then a wait for the device (a CUDA launch returns before the kernel has run)."""
+    if device.type != "cuda":
+        return fn
+
+    def run():
+        fn()
+        torch.cuda.synchronize(device)
+    return run
+
+
+def cache_bytes(device: torch.device) -> int:
+    """The last-level cache the working set must dwarf: the CPU's LLC or the GPU's L2."""
+    if device.type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20))
+    return last_level_cache_bytes()
+
+
+def device_read_bandwidth(device: torch.device, n_bytes: int = 4 << 30, repeats: int = 10) -> float:
+    """Bytes/s of the best of `repeats` full reductions of a device buffer (CUDA), or the CPU
+    probe of timing.memory_read_bandwidth."""
+    if device.type != "cuda":
+        return memory_read_bandwidth()
+    import time
+
+    buf = torch.ones(n_bytes // 2, dtype=torch.float16, device=device)
+    buf.sum()
+    torch.cuda.synchronize(device)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return n_bytes / best
+
+
+def _sparse_ops(mats, device: torch.device, cols: int, k: int, torch_ops: bool):
+    """A maker of the (row, col) callables for one (matrix, index set): the numba kernels, or
+    with `torch_ops` the GPU tier's torch ops on `device` (CUDA, or the CPU in tests)."""
+    coef = np.random.default_rng(0).standard_normal((1, k)).astype(np.float32)
+    if torch_ops:
+        coef_t = torch.from_numpy(coef).to(device)
+
+        def make(w, s):
+            return (lambda: gpu.sparse_row_gemv(w, x_dev, s), lambda: gpu.sparse_col_axpy(w, coef_t, s))
+        x_dev = torch.randn(1, cols, device=device)
+        return make
+    out = np.empty((1, k), dtype=np.float32)
+    acc = np.zeros((1, cols), dtype=np.float32)
+    chunks = sparse_cpu.default_chunks()
+    x_np = torch.randn(1, cols).numpy()
+    views = {id(w): numpy_weights(w) for w in mats}
+
+    def make(w, s):
+        v, s_np = views[id(w)], s.numpy()
+        return (lambda: sparse_cpu.row_gemv(v, x_np, s_np, sparse.NO_BIAS, -1, out),
+                lambda: sparse_cpu.col_axpy(v, coef, s_np, chunks, acc, False))
+    return make
+
+
+def bench_dtype(dtype: torch.dtype, rows: int, cols: int, fractions: list[float], repeats: int,
+                device: torch.device = torch.device("cpu"), torch_ops: bool | None = None) -> list[dict]:
+    """One table row per fraction; `torch_ops` (default: on CUDA) times the GPU tier's ops."""
+    torch_ops = device.type == "cuda" if torch_ops is None else torch_ops
     elem = torch.tensor([], dtype=dtype).element_size()
-    n_mats = max(4, math.ceil(4 * last_level_cache_bytes() / (rows * cols * elem)))
-    mats = [on_huge_pages(torch.randn(rows, cols).to(dtype)) for _ in range(n_mats)]
-    views = [numpy_weights(w) for w in mats]
-    x = torch.randn(cols)
-    x_np = x[None].numpy()
-    x_t = x.to(dtype)
-    dense_t = median_time(_cycle([lambda w=w: F.linear(x_t, w) for w in mats]), repeats) / n_mats
+    n_mats = max(4, math.ceil(4 * cache_bytes(device) / (rows * cols * elem)))
+    mats = [on_huge_pages(torch.randn(rows, cols, device=device).to(dtype)) for _ in range(n_mats)]  # huge pages: CPU only
+    x_t = torch.randn(cols, device=device).to(dtype)
+    dense_t = median_time(_synced(_cycle([lambda w=w: F.linear(x_t, w) for w in mats]), device), repeats) / n_mats
     results = []
     for frac in fractions:
         k = max(1, round(frac * rows))
         # A fresh active set per call: with one set reused, a small fraction's rows of all
         # the matrices fit in the LLC and the numbers would measure the cache, not DRAM.
-        index_sets = [torch.sort(torch.randperm(rows)[:k]).values for _ in range(INDEX_SETS)]
-        pairs = [(i, w, v, s) for i, (w, v) in enumerate(zip(mats, views)) for s in index_sets]
-        out = np.empty((1, k), dtype=np.float32)
-        coef = np.random.default_rng(0).standard_normal((1, k)).astype(np.float32)
-        acc = np.zeros((1, cols), dtype=np.float32)
-        chunks = sparse_cpu.default_chunks()
+        index_sets = [torch.sort(torch.randperm(rows)[:k]).values.to(device) for _ in range(INDEX_SETS)]
+        pairs = [(w, s) for w in mats for s in index_sets]
+        make = _sparse_ops(mats, device, cols, k, torch_ops)
+        ops = [make(w, s) for w, s in pairs]
         calls = len(pairs)
-        row_t = median_time(_cycle([lambda v=v, s=s: sparse_cpu.row_gemv(v, x_np, s.numpy(), sparse.NO_BIAS, -1, out)
-                                    for _, _, v, s in pairs]), repeats) / calls
-        col_t = median_time(_cycle([lambda v=v, s=s: sparse_cpu.col_axpy(v, coef, s.numpy(), chunks, acc, False)
-                                    for _, _, v, s in pairs]), repeats) / calls
-        sel_t = median_time(_cycle([lambda w=w, s=s: w.index_select(0, s) @ x_t for _, w, _, s in pairs]),
+        row_t = median_time(_synced(_cycle([r for r, _ in ops]), device), repeats) / calls
+        col_t = median_time(_synced(_cycle([c for _, c in ops]), device), repeats) / calls
+        sel_t = median_time(_synced(_cycle([lambda w=w, s=s: w.index_select(0, s) @ x_t for w, s in pairs]), device),
                             repeats) / calls
         active_bytes = k * cols * elem
         results.append(dict(dtype=str(dtype).replace("torch.", ""), fraction=frac, k=k, dense_us=dense_t * 1e6,
@@ -79,7 +144,7 @@ def bench_dtype(dtype: torch.dtype, rows: int, cols: int, fractions: list[float]
     return results
 
 
-def plot(results: list[dict], path: str) -> None:
+def plot(results: list[dict], path: str, title: str = "Sparse FFN operators, 11008 x 4096") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,28 +164,41 @@ def plot(results: list[dict], path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("active fraction of neurons")
     ax.set_ylabel("speedup over dense torch GEMV")
-    ax.set_title("Sparse FFN operators, 11008 x 4096")
+    ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
+def resolve_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise BadArgumentError(f"unknown --device {name!r} (cpu or cuda)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise BadArgumentError(f"unknown --device {name!r} (cpu or cuda)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BadArgumentError("--device cuda asked for, but torch sees no CUDA device")
+    return device
+
+
 def run(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
         sparse._set_threads(args.threads)
-    bandwidth = memory_read_bandwidth() / 1e9
+    bandwidth = device_read_bandwidth(device) / 1e9
     fractions = [float(f) for f in args.fractions.split(",")]
     results = []
     for name in args.dtypes.split(","):
         if name not in DTYPES:
-            from ..errors import BadArgumentError
-
             raise BadArgumentError(f"unknown dtype {name!r}")
-        results += bench_dtype(parse_dtype(name), args.rows, args.cols, fractions, args.repeats)
-    print(f"\nshape {args.rows} x {args.cols}; memory read bandwidth (best parallel read of 1 GiB): {bandwidth:.1f} GB/s; "
-          f"threads {torch.get_num_threads()}; LLC {last_level_cache_bytes() >> 20} MiB\n")
+        results += bench_dtype(parse_dtype(name), args.rows, args.cols, fractions, args.repeats, device)
+    where = (f"{torch.cuda.get_device_name(device)}: device memory read (best of 10, 4 GiB)" if device.type == "cuda"
+             else f"threads {torch.get_num_threads()}: memory read bandwidth (best parallel read of 1 GiB)")
+    print(f"\nshape {args.rows} x {args.cols}; {where}: {bandwidth:.1f} GB/s; "
+          f"{'L2' if device.type == 'cuda' else 'LLC'} {cache_bytes(device) >> 20} MiB\n")
     print("| dtype | active | dense torch us | sparse row us | speedup | GB/s (% of mem) | sparse col AXPY us | "
           "speedup | GB/s (% of mem) | index_select us | speedup |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -130,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
               f"{r['col_gbs']:.1f} ({r['col_gbs'] / bandwidth:.0%}) | {r['index_select_us']:.0f} | "
               f"{r['index_select_speedup']:.2f}x |")
     print("\nworking set per dtype: " + ", ".join(sorted({f"{r['dtype']} {r['working_set_mb']:.0f} MB" for r in results})))
-    if args.plot:
-        plot(results, args.plot)
-        print(f"plot: {args.plot}")
+    path = args.plot if args.plot is not None else f"docs/bench_ops{'_cuda' if device.type == 'cuda' else ''}.png"
+    if path:
+        plot(results, path, f"Sparse FFN operators, {args.rows} x {args.cols}" + (", CUDA" if device.type == "cuda" else ""))
+        print(f"plot: {path}")
     return 0

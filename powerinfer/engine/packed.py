@@ -111,7 +111,8 @@ PREDICTOR_BYPASS = 0.85
 def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp32", threads: int | None = None,
                 gpu_device: str | None = None, model_hash: str | None = None,
                 with_tokenizer: bool = True, kv_on_gpu: bool = False,
-                predictor_bypass: float | None = PREDICTOR_BYPASS) -> LoadedModel:
+                predictor_bypass: float | None = PREDICTOR_BYPASS,
+                gpu_dtype: str | torch.dtype | None = None) -> LoadedModel:
     """Load the packed model at `path` for `mode` (sparse, oracle, dense or offload).
 
     Dense parts follow the placement: with `dense_on_gpu` the attention projections, the
@@ -125,6 +126,9 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
     choose the down rows (as the oracle mode). Reading a few percent fewer rows does not pay
     for the predictor and the irregular row set; the true activations are also better than
     the predicted ones. `None` never bypasses.
+
+    `gpu_dtype`: the GPU tier's weight dtype; by default `dtype`, except that fp32 becomes
+    fp16 on a CUDA device (tests ask for fp32 there, to compare tightly).
 
     Refuses, with one clear message, directories that are not packed models, shards that are
     truncated or corrupt, tensors that do not match the manifest's shapes, a packed model made
@@ -143,6 +147,8 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
         raise PackedModelError(f"{path}: the manifest's model arguments are malformed ({e})") from None
     torch_dtype = parse_dtype(dtype)
     dev = resolve_gpu_device(gpu_device)
+    tier_dtype = parse_dtype(gpu_dtype) if gpu_dtype is not None else (
+        torch_dtype if dev.type == "cpu" else _gpu_dtype(torch_dtype))
     total = sum(s["tensor_bytes"] for s in manifest["shards"].values())
     gpu_bytes = manifest["shards"]["gpu"]["tensor_bytes"]
     if dev.type == "cuda":
@@ -173,7 +179,7 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
             raise PackedModelError(f"{path}: layer {i}'s neuron tables are not a permutation of its {args.ffn_dim} neurons")
         if mode == "offload":  # llama.cpp-style: whole layers on the GPU tier, the rest on the CPU
             g, c = _whole_layer(g, c, on_gpu=i < offload_layers)
-        gpu_tier = _make_tier("gpu", g, dev, torch_dtype if dev.type == "cpu" else _gpu_dtype(torch_dtype))
+        gpu_tier = _make_tier("gpu", g, dev, tier_dtype)
         cpu_tier = _make_tier("cpu", c, torch.device("cpu"), torch_dtype)
         any_gpu = any_gpu or gpu_tier.n > 0
         predictor = None
@@ -199,7 +205,7 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
     dense_on_gpu = bool(manifest["placement"].get("dense_on_gpu", False))
     attention = [i < offload_layers for i in range(args.n_layers)] if mode == "offload" else dense_on_gpu
     on_tier = dense_on_gpu or kv_on_gpu or (mode == "offload" and offload_layers > 0)
-    tier = DenseTier(device=dev if on_tier else None, dtype=torch_dtype if dev.type == "cpu" else _gpu_dtype(torch_dtype),
+    tier = DenseTier(device=dev if on_tier else None, dtype=tier_dtype,
                      attention=attention, head=dense_on_gpu, kv=kv_on_gpu)
     model = Model(args, dense_state, torch_dtype, ffns=ffns, tier=tier)
     del dense_state, shards  # every tensor now has its own copy: the shards' cached pages can go

@@ -160,7 +160,8 @@ def threshold_to_index(logits: torch.Tensor, threshold: float | torch.Tensor,
     thr = torch.as_tensor(threshold, dtype=torch.float32).flatten()
     if thr.numel() not in (1, l2.shape[1]):
         raise BadArgumentError(f"threshold must be a scalar or one value per neuron ({l2.shape[1]})")
-    if not _on_cpu(l2, thr):
+    if not _on_cpu(l2):
+        thr = thr.to(l2.device)
         return gpu.threshold_to_index(l2, thr if thr.numel() > 1 else thr[0]).to(index_dtype)
     probe = np.zeros(0, dtype=np.int32 if index_dtype == torch.int32 else np.int64)
     return torch.from_numpy(sparse_cpu.threshold_to_index(_f32(l2), thr.numpy(), probe))

@@ -44,6 +44,7 @@ class HardwareProfile:
     gpu_layer_overhead: float = 60e-6  # kernel launches of one layer's attention + FFN on the GPU
     cpu_layer_overhead: float = 20e-6  # thread fork/join of one layer's CPU FFN
     sparse_efficiency: float = 0.8  # share of bandwidth that scattered neuron rows reach
+    runtime_buffers: int = 64 << 20  # GPU bytes kept free of weights: CUDA context slack, activations, scratch
 
     @property
     def has_gpu(self) -> bool:
@@ -241,6 +242,18 @@ def head_time(shape: ModelShape, hw: HardwareProfile, dtype: str, on_gpu: bool) 
     return shape.lm_head_bytes(dtype) / bw
 
 
+def offload_head_on_gpu(shape: ModelShape, hw: HardwareProfile, dtype: str, budget: int) -> bool:
+    """Whether the offload baseline's budget holds the LM head (it is placed first)."""
+    return hw.has_gpu and budget >= shape.lm_head_bytes(dtype)
+
+
+def offload_baseline(shape: ModelShape, hw: HardwareProfile, dtype: str, budget: int, context: int = 512) -> dict:
+    """The offload baseline as a placement document records it (and the engine's offload
+    mode reads it): predicted tok/s, whole GPU layers, and whether the LM head is on the GPU."""
+    t, layers = dense_offload_time(shape, hw, dtype, budget, context)
+    return {"tokens_per_s": 1 / t, "gpu_layers": layers, "head_on_gpu": offload_head_on_gpu(shape, hw, dtype, budget)}
+
+
 def dense_offload_time(shape: ModelShape, hw: HardwareProfile, dtype: str, budget: int, context: int = 512) -> tuple[float, int]:
     """llama.cpp's -ngl baseline: whole layers (attention + dense FFN) on the GPU while they
     fit the budget, the rest computed densely on the CPU. Returns (seconds/token, GPU layers)."""
@@ -249,7 +262,7 @@ def dense_offload_time(shape: ModelShape, hw: HardwareProfile, dtype: str, budge
     head = shape.lm_head_bytes(dtype)
     room = budget - head if hw.has_gpu else 0
     gpu_layers = max(0, min(shape.n_layers, int(room // (per_layer + kv)) if room > 0 else 0))
-    head_on_gpu = hw.has_gpu and budget >= head
+    head_on_gpu = offload_head_on_gpu(shape, hw, dtype, budget)
     t = 0.0
     for i in range(shape.n_layers):
         bw = hw.gpu_bandwidth if i < gpu_layers else hw.cpu_bandwidth

@@ -3,19 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
-from cli_helpers import run_cli
 import torch
-
-
-
-def assert_clean_error(result: subprocess.CompletedProcess, fragment: str) -> None:
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    lines = [l for l in result.stderr.splitlines() if l.startswith("powerinfer: error:")]
-    assert len(lines) == 1 and fragment in lines[0], result.stderr
+from cli_helpers import assert_clean_error, run_cli
 
 
 def test_missing_model_file():

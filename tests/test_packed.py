@@ -263,6 +263,7 @@ def test_offload_mode_puts_whole_layers_on_the_gpu_tier(relu, gpu_tier):
     pl["baselines"]["offload"]["gpu_layers"] = 2
     m = load(packed(relu, "split-offload", pl), gpu_tier, mode="offload").model
     assert [(l.ffn.gpu.n, l.ffn.cpu.n) for l in m.layers] == [(N_FF, 0), (N_FF, 0), (0, N_FF)]
+    assert m.lm_head.w_np is not None  # the baseline's budget did not hold the head: it stays on the CPU
     ids = prompt_ids(relu.lm)
     torch.testing.assert_close(decode_logits(m, ids), decode_logits(relu.lm.model, ids), atol=2e-5, rtol=1e-5)
 
@@ -312,10 +313,12 @@ def test_plain_ffn_families_oracle_and_sparse(tmp_path, name):
 
 @pytest.mark.parametrize("mode", ["oracle", "offload"])
 def test_dense_parts_and_kv_cache_on_the_gpu_tier_equal_dense(relu, mode, gpu_tier):
-    """A placement with dense_on_gpu puts attention, embeddings and LM head on the GPU tier
-    (offload: the offloaded layers' attention), --kv-on-gpu the KV cache; the GPU tier's torch
+    """A placement with dense_on_gpu puts attention and the (tied) LM head on the GPU tier
+    (offload: the offloaded layers' attention and the head its baseline placed), --kv-on-gpu
+    the KV cache; the GPU tier's torch
     code then serves them (here on CPU tensors) and the model still equals the dense one."""
-    placement = {**placements(relu.hash)["split"], "dense_on_gpu": True, "baselines": {"offload": {"gpu_layers": 2}}}
+    placement = {**placements(relu.hash)["split"], "dense_on_gpu": True,
+                 "baselines": {"offload": {"gpu_layers": 2, "head_on_gpu": True}}}
     plm = load(packed(relu, "split-dense-on-gpu", placement), gpu_tier, mode=mode, kv_on_gpu=True)
     model = plm.model
     expect = [True] * LAYERS if mode == "oracle" else [True, True, False]
@@ -341,7 +344,8 @@ def test_dense_parts_and_kv_cache_on_the_gpu_tier_equal_dense(relu, mode, gpu_ti
 def test_cuda_tier_in_its_default_half_dtype_runs_close_to_dense(relu, mode):
     """On CUDA the GPU tier of an fp32 packed model holds fp16 weights (and attention and the
     LM head with dense_on_gpu, and the KV cache): logits stay close to the fp32 dense model's."""
-    placement = {**placements(relu.hash)["split"], "dense_on_gpu": True, "baselines": {"offload": {"gpu_layers": 2}}}
+    placement = {**placements(relu.hash)["split"], "dense_on_gpu": True,
+                 "baselines": {"offload": {"gpu_layers": 2, "head_on_gpu": True}}}
     model = load_packed(packed(relu, "split-dense-on-gpu", placement), mode=mode, gpu_device="cuda", kv_on_gpu=True).model
     assert model.layers[0].ffn.gpu.w_gate.dtype == torch.float16 and model.layers[0].ffn.gpu.device.type == "cuda"
     ids = prompt_ids(relu.lm)

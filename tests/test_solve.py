@@ -126,6 +126,9 @@ def test_cli_solve_writes_placement_and_refuses_bad_input(tmp_path):
     assert doc["budget"]["total"] == 6 * 2**30 and doc["budget"]["free"] >= 0
     assert len(doc["layers"]) == 32 and "| 31 |" in r.stdout
     assert doc["predicted_tokens_per_s"] >= doc["baselines"]["greedy"]["tokens_per_s"] * 0.999
+    # the offload baseline: whole layers after the LM head (llama-7b fp16 head: 262 MB of 6 GiB)
+    off = doc["baselines"]["offload"]
+    assert off["head_on_gpu"] is True and 0 < off["gpu_layers"] < 32
     for budget, msg in [("-1GiB", "negative"), ("0", "positive"), ("1MiB", "smaller than"), ("64GiB", "exceeds"),
                         ("lots", "cannot read size")]:
         r = run_cli("solve", "--profile", str(tmp_path / "syn"), "--shape", "llama-7b", "--hardware", "rtx2080ti",

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..loader import DTYPES, parse_dtype
 from ..errors import BadArgumentError
+from ..loader import DTYPES, parse_dtype
 from ..ops import gpu, sparse, sparse_cpu
 from ..ops.memory import on_huge_pages
 from ..ops.numba_half import numpy_weights
@@ -113,8 +113,9 @@ def _sparse_ops(mats, device: torch.device, cols: int, k: int, torch_ops: bool):
 
 
 def bench_dtype(dtype: torch.dtype, rows: int, cols: int, fractions: list[float], repeats: int,
-                device: torch.device = torch.device("cpu"), torch_ops: bool | None = None) -> list[dict]:
+                device: torch.device | None = None, torch_ops: bool | None = None) -> list[dict]:
     """One table row per fraction; `torch_ops` (default: on CUDA) times the GPU tier's ops."""
+    device = device or torch.device("cpu")
     torch_ops = device.type == "cuda" if torch_ops is None else torch_ops
     elem = torch.tensor([], dtype=dtype).element_size()
     n_mats = max(4, math.ceil(4 * cache_bytes(device) / (rows * cols * elem)))

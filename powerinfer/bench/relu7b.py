@@ -2,6 +2,7 @@
 pattern: decode tok/s dense vs sparse on the CPU, next to the memory-bandwidth bound.
 
     powerinfer bench relu7b [--layers 16] [--sparsity 0.9] [--dtype fp16] [--tokens 32] [--dir DIR]
+                            [--d-model 4096 --ffn-dim 11008 --heads 32]
 
 Shape: d 4096, FFN 11008, 32 heads (ReluLLaMA-7B); `--layers` of them (default 16: the dense
 and the packed model, 7.3 GB each, fit a 24 GB machine, and the working set is ~200x the
@@ -31,6 +32,7 @@ import os
 import statistics
 import sys
 import tempfile
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -38,7 +40,16 @@ from tqdm import tqdm
 
 from .timing import decode_round
 
-D, N_FF, HEADS = 4096, 11008, 32
+
+class Shape(NamedTuple):
+    """Width, FFN neurons and heads of the benchmark model's layers."""
+
+    d: int = 4096  # ReluLLaMA-7B's
+    n_ff: int = 11008
+    heads: int = 32
+
+
+RELULLAMA_7B = Shape()
 PROMPT = [1, 2, 3, 4]
 
 
@@ -51,6 +62,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=int, default=16, help="predictor rank (default 16)")
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--dir", default=None, help="where to write the GGUF and packed model (default: a temp dir)")
+    add_shape_arguments(p)
+
+
+def add_shape_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--d-model", type=int, default=RELULLAMA_7B.d, help="model width (default 4096, ReluLLaMA-7B's)")
+    p.add_argument("--ffn-dim", type=int, default=RELULLAMA_7B.n_ff, help="FFN neurons per layer (default 11008)")
+    p.add_argument("--heads", type=int, default=RELULLAMA_7B.heads, help="attention heads (default 32)")
+
+
+def shape_of(args: argparse.Namespace) -> Shape:
+    from ..errors import BadArgumentError
+
+    shape = Shape(args.d_model, args.ffn_dim, args.heads)
+    if min(shape) < 1 or shape.d % shape.heads or (shape.d // shape.heads) % 2:
+        raise BadArgumentError(f"--d-model {shape.d} must split into --heads {shape.heads} heads of an even size")
+    return shape
 
 
 def tokenizer_source():
@@ -66,9 +93,10 @@ def vocab_size(src) -> int:
     return len(src.fields["tokenizer.ggml.tokens"].contents())
 
 
-def write_gguf(path: str, n_layers: int, seed: int = 0, src=None) -> None:
+def write_gguf(path: str, n_layers: int, seed: int = 0, src=None, shape: Shape = RELULLAMA_7B) -> None:
     """Random F16 llama-architecture GGUF with the tokenizer metadata of `src` (default
     `tokenizer_source()`)."""
+    D, N_FF, HEADS = shape
     import gguf
 
     src = src or tokenizer_source()
@@ -133,6 +161,8 @@ def planted_predictors(profile, xs: list[torch.Tensor], rank: int, model_hash: s
 
     from ..offline.train import LayerPredictor, Predictors
 
+    D, N_FF = xs[0].shape[1], profile.layers[0].n_ff
+
     g = torch.Generator().manual_seed(2)
     layers = []
     for st, x in zip(profile.layers, xs):
@@ -188,18 +218,19 @@ def calibrate_active_share(sparse, target: float, n: int = 32, max_passes: int =
 PEAK_OVER_MODEL = 2.6
 
 
-def model_bytes(layers: int, vocab: int) -> int:
+def model_bytes(layers: int, vocab: int, shape: Shape = RELULLAMA_7B) -> int:
     """16-bit weight bytes of the 7B-shaped model with `layers` layers (embeddings and LM head
     of `vocab` rows each)."""
+    D, N_FF, _ = shape
     return 2 * (layers * (4 * D * D + 3 * D * N_FF) + 2 * vocab * D)
 
 
-def check_memory(layers: int, vocab: int) -> None:
+def check_memory(layers: int, vocab: int, shape: Shape = RELULLAMA_7B) -> None:
     """Refuse, in one line, a layer count whose run would not fit in this machine's memory."""
     from ..engine.packed import _available_ram
     from ..errors import BadArgumentError
 
-    need, have = PEAK_OVER_MODEL * model_bytes(layers, vocab), _available_ram()
+    need, have = PEAK_OVER_MODEL * model_bytes(layers, vocab, shape), _available_ram()
     if need > have:
         raise BadArgumentError(f"--layers {layers} needs about {need / 2**30:.1f} GiB of memory (the dense model, "
                                f"its packed copy and load buffers), {have / 2**30:.1f} GiB are available; try a smaller --layers")
@@ -209,35 +240,54 @@ def decode_speed(model, n: int) -> float:
     return decode_round(model, PROMPT, n)[1]
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..engine.packed import load_packed
+def gguf_name(layers: int, shape: Shape) -> str:
+    if shape == RELULLAMA_7B:
+        return f"relullama-7b-shaped-{layers}l.f16.gguf"
+    return f"planted-{shape.d}d-{shape.n_ff}ff-{shape.heads}h-{layers}l.f16.gguf"
+
+
+def planted_model(args: argparse.Namespace, shape: Shape, root: str, place=None, src=None) -> tuple[str, str, object]:
+    """Write (or reuse) the random GGUF in `root`, then plant the power-law profile and its
+    predictors and pack the model, placed by `place(profile, model_hash)` (a placement
+    document; default: every neuron on the CPU). Returns (GGUF path, packed dir, predictors)."""
     from ..loader import load
     from ..offline.pack import pack_model
     from ..offline.synthetic import synthetic_profile
-    from ..ops.memory import huge_page_share
     from ..paths import content_hash
-    from .timing import memory_read_bandwidth
 
-    torch.set_num_threads(args.threads)
-    src = tokenizer_source()
-    check_memory(args.layers, vocab_size(src))
-    root = args.dir or tempfile.mkdtemp(prefix="relu7b-")
-    os.makedirs(root, exist_ok=True)
-    gguf_path = os.path.join(root, f"relullama-7b-shaped-{args.layers}l.f16.gguf")
+    gguf_path = os.path.join(root, gguf_name(args.layers, shape))
     if not os.path.isfile(gguf_path):
         print(f"writing {gguf_path}", file=sys.stderr)
-        write_gguf(gguf_path, args.layers, src=src)
+        write_gguf(gguf_path, args.layers, src=src, shape=shape)
     model_hash = content_hash(gguf_path)
     dense = load(gguf_path, dtype=args.dtype, threads=args.threads, with_tokenizer=False)
-    profile = synthetic_profile(args.layers, N_FF, sparsity=args.sparsity)
+    profile = synthetic_profile(args.layers, shape.n_ff, sparsity=args.sparsity)
     profile.manifest.update(model={"hash": model_hash}, criterion="gate_up")
     profile.save(os.path.join(root, "profile"))
     packed_dir = os.path.join(root, "packed")
     preds = planted_predictors(profile, ffn_inputs(dense.model), args.rank, model_hash)
     del dense  # packing holds the model's state and the shards: not a third copy as well
     gc.collect()
-    pack_model(gguf_path, packed_dir, profile, preds, None, args.dtype, force=True)
+    placement = place(profile, model_hash) if place is not None else None
+    pack_model(gguf_path, packed_dir, profile, preds, placement, args.dtype, force=True)
     gc.collect()
+    return gguf_path, packed_dir, preds
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..engine.packed import load_packed
+    from ..loader import load
+    from ..ops.memory import huge_page_share
+    from .timing import memory_read_bandwidth
+
+    torch.set_num_threads(args.threads)
+    shape = shape_of(args)
+    D, N_FF, _ = shape
+    src = tokenizer_source()
+    check_memory(args.layers, vocab_size(src), shape)
+    root = args.dir or tempfile.mkdtemp(prefix="relu7b-")
+    os.makedirs(root, exist_ok=True)
+    gguf_path, packed_dir, preds = planted_model(args, shape, root, src=src)
     dense = load(gguf_path, dtype=args.dtype, threads=args.threads, with_tokenizer=False)
     sparse = load_packed(packed_dir, mode="sparse", dtype=args.dtype, threads=args.threads, with_tokenizer=False,
                          predictor_bypass=None).model  # calibrated below to the target share
@@ -267,7 +317,8 @@ def run(args: argparse.Namespace) -> int:
     # each round's share of the bound its own probe gives (the bus swings within minutes)
     d_share = statistics.median(v * dense_bytes / b for v, b in zip(d_speeds, probes))
     s_share = statistics.median(v * sparse_bytes / b for v, b in zip(s_speeds, probes))
-    print(f"\nReluLLaMA-7B-shaped, {args.layers} layers, {args.dtype}, {args.threads} threads; planted mean sparsity "
+    what = "ReluLLaMA-7B-shaped" if shape == RELULLAMA_7B else f"planted d {D}, {N_FF} neurons, {shape.heads} heads"
+    print(f"\n{what}, {args.layers} layers, {args.dtype}, {args.threads} threads; planted mean sparsity "
           f"{args.sparsity}; {frac:.3f} of FFN neurons computed per token (calibrated to {calibrated:.3f}); "
           f"bandwidth {bandwidth / 1e9:.1f} GB/s (best of the rounds' probes, {min(probes) / 1e9:.1f}-"
           f"{bandwidth / 1e9:.1f}); median of {args.rounds} rounds x {args.tokens} tokens; weights on huge pages: "

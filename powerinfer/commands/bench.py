@@ -7,7 +7,8 @@ import importlib
 
 TARGETS = {"ops": ("powerinfer.bench.ops", "sparse operators vs dense GEMV and index_select"),
            "e2e": ("powerinfer.bench.e2e", "decode speed and quality: dense, sparse, oracle, transformers"),
-           "relu7b": ("powerinfer.bench.relu7b", "ReluLLaMA-7B-shaped planted model: dense vs sparse vs the bandwidth bound")}
+           "relu7b": ("powerinfer.bench.relu7b", "ReluLLaMA-7B-shaped planted model: dense vs sparse vs the bandwidth bound"),
+           "hybrid": ("powerinfer.bench.hybrid", "hybrid GPU/CPU engine vs whole-layer offload at one VRAM budget")}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

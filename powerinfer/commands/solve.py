@@ -12,7 +12,7 @@ import os
 from dataclasses import fields
 
 from ..errors import BadArgumentError
-from ..hardware import KNOWN_SHAPES, WEIGHT_BYTES, ModelShape, dense_offload_time, load_hardware
+from ..hardware import KNOWN_SHAPES, WEIGHT_BYTES, ModelShape, load_hardware, offload_baseline
 from ..units import format_size, parse_size
 
 
@@ -82,8 +82,7 @@ def run(args: argparse.Namespace) -> int:
     others = {"greedy": greedy(problem)}
     if args.objective == "time":
         others["ilp-impact"] = solve(problem, "impact", args.time_limit)
-    offload_t, offload_layers = dense_offload_time(shape, hw, args.weights, budget, args.context)
-    doc = placement_document(problem, best, others, {"tokens_per_s": 1 / offload_t, "gpu_layers": offload_layers},
+    doc = placement_document(problem, best, others, offload_baseline(shape, hw, args.weights, budget, args.context),
                              model_hash, profile.path)
     out = args.output
     if out is None:

@@ -115,10 +115,11 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
                 gpu_dtype: str | torch.dtype | None = None) -> LoadedModel:
     """Load the packed model at `path` for `mode` (sparse, oracle, dense or offload).
 
-    Dense parts follow the placement: with `dense_on_gpu` the attention projections, the
-    embeddings and the LM head go to the GPU tier (in offload mode: the attention of the
-    offloaded layers); `kv_on_gpu` puts the KV cache there too. Norms and the residual
-    stream stay on the CPU.
+    Dense parts follow the placement: with `dense_on_gpu` the attention projections and the
+    LM head (with the embeddings when tied) go to the GPU tier (in offload mode: the
+    attention of the offloaded layers, and the LM head where the offload baseline's budget
+    holds it); `kv_on_gpu` puts the KV cache there too. Norms and the residual stream stay
+    on the CPU.
 
     In sparse mode a layer whose predictor computes at least `predictor_bypass` of the
     neurons on the training validation set (the packed manifest's `predicted_fraction`)
@@ -204,9 +205,11 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
         f.executor = executor
     dense_on_gpu = bool(manifest["placement"].get("dense_on_gpu", False))
     attention = [i < offload_layers for i in range(args.n_layers)] if mode == "offload" else dense_on_gpu
-    on_tier = dense_on_gpu or kv_on_gpu or (mode == "offload" and offload_layers > 0)
+    # offload mode: the LM head where the baseline's budget put it (placed before the layers)
+    head = bool(manifest["placement"].get("offload_head_on_gpu", False)) if mode == "offload" else dense_on_gpu
+    on_tier = dense_on_gpu or kv_on_gpu or (mode == "offload" and (offload_layers > 0 or head))
     tier = DenseTier(device=dev if on_tier else None, dtype=tier_dtype,
-                     attention=attention, head=dense_on_gpu, kv=kv_on_gpu)
+                     attention=attention, head=head, kv=kv_on_gpu)
     model = Model(args, dense_state, torch_dtype, ffns=ffns, tier=tier)
     del dense_state, shards  # every tensor now has its own copy: the shards' cached pages can go
     drop_file_cache(*(os.path.join(path, s["file"]) for s in manifest["shards"].values()))

@@ -73,7 +73,8 @@ class ModelArgs:
 class DenseTier:
     """Which dense parts a packed model's placement puts on the GPU tier (`device`; None:
     everything on the CPU): the attention projections of the layers in `attention` (all when
-    True), the embeddings and LM head (`head`), the KV cache (`kv`, for `--kv-on-gpu`).
+    True), the LM head (`head`; the embeddings with it when they are tied), the KV cache
+    (`kv`, for `--kv-on-gpu`).
     Norms and the residual stream stay on the CPU; `dtype` is the tier's weight dtype."""
 
     device: torch.device | None = None
@@ -193,7 +194,8 @@ class Model:
                 return None
             return Norm(args.norm, w, b, args.norm_eps)
 
-        self.embed = get("embed", t.head)
+        # the embedding table is only looked up: on the tier only when it is also the LM head
+        self.embed = get("embed", t.head and args.tie_embeddings)
         self.pos_embed = get32("pos_embed")
         self.project_in = linear("project_in")
         self.project_out = linear("project_out")

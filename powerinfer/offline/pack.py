@@ -153,6 +153,7 @@ def pack_model(model_path: str | None, out_dir: str, profile: Profile, predictor
                             "tensor_bytes": sum(t.numel() * t.element_size() for t in shards[name].values()),
                             "hash": content_hash(file)}  # loading compares it (memoised by size+mtime)
     _save_tokenizer(path, args.eos_token_ids, os.path.join(tmp, "tokenizer"))
+    offload = (placement or {}).get("baselines", {}).get("offload", {})
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "source": {"path": os.path.abspath(path), "hash": model_hash},
@@ -163,8 +164,8 @@ def pack_model(model_path: str | None, out_dir: str, profile: Profile, predictor
         "placement": {"hardware": (placement or {}).get("hardware", {}).get("name", "none"),
                       "budget": (placement or {}).get("budget", {}).get("total", 0),
                       "dense_on_gpu": dense_on_gpu,
-                      "offload_gpu_layers": int((placement or {}).get("baselines", {}).get("offload", {})
-                                                .get("gpu_layers", 0)),
+                      "offload_gpu_layers": int(offload.get("gpu_layers", 0)),
+                      "offload_head_on_gpu": bool(offload.get("head_on_gpu", False)),
                       "gpu_neurons": int(sum(l["n_gpu"] for l in layer_info)),
                       "predicted_tokens_per_s": (placement or {}).get("predicted_tokens_per_s")},
         "shards": shard_info,

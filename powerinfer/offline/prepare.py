@@ -208,7 +208,7 @@ def _placement(profile: Profile, hw, budget: int, cache, model_hash: str, s: Pre
         _log(f"hardware {hw.name} has no GPU: every neuron on the CPU tier (step 3 of 4 skipped)")
         return None
     from ..commands.solve import shape_from_manifest
-    from ..hardware import dense_offload_time
+    from ..hardware import offload_baseline
     from .solve import build_problem, greedy, placement_document, solve_auto
 
     out = cache / f"placement-{hw.name}-{budget}.json"
@@ -223,8 +223,7 @@ def _placement(profile: Profile, hw, budget: int, cache, model_hash: str, s: Pre
     _log(f"solving the placement for {hw.name} (step 3 of 4)")
     shape = shape_from_manifest(profile.manifest)
     problem, best = solve_auto(lambda dense: build_problem(profile, shape, hw, budget, s.weights, dense_on_gpu=dense))
-    offload_t, offload_layers = dense_offload_time(shape, hw, s.weights, budget)
     doc = placement_document(problem, best, {"greedy": greedy(problem)},
-                             {"tokens_per_s": 1 / offload_t, "gpu_layers": offload_layers}, model_hash, profile.path)
+                             offload_baseline(shape, hw, s.weights, budget), model_hash, profile.path)
     out.write_text(json.dumps(doc))
     return doc

@@ -45,8 +45,6 @@ from ..errors import BadArgumentError
 from ..hardware import HardwareProfile, LayerCosts, ModelShape, head_time, layer_costs, layer_time
 from .stats import Profile
 
-RUNTIME_BUFFER_BYTES = 64 << 20  # CUDA context slack, activations, scratch
-
 
 @dataclass
 class Problem:
@@ -86,9 +84,9 @@ class Placement:
 
 
 def mandatory_gpu_bytes(shape: ModelShape, dtype: str, context: int, kv_on_gpu: bool, dense_on_gpu: bool,
-                        predictor_rank: int) -> dict[str, int]:
+                        predictor_rank: int, runtime_buffers: int) -> dict[str, int]:
     """Bytes that must sit on the GPU before any FFN neuron, item by item."""
-    items = {"runtime_buffers": RUNTIME_BUFFER_BYTES}
+    items = {"runtime_buffers": int(runtime_buffers)}
     if dense_on_gpu:
         items["attention"] = shape.n_layers * shape.attention_bytes(dtype)
         items["lm_head"] = shape.lm_head_bytes(dtype)
@@ -117,9 +115,10 @@ def build_problem(profile: Profile, shape: ModelShape, hw: HardwareProfile, budg
     if budget > hw.gpu_memory:
         raise BadArgumentError(f"budget {budget / 2**30:.2f} GiB exceeds the GPU's {hw.gpu_memory / 2**30:.2f} GiB")
     if dense_on_gpu is None:  # attention on the GPU when it fits (see solve_auto to compare both)
-        dense = mandatory_gpu_bytes(shape, dtype, context, kv_on_gpu, True, predictor_rank)
+        dense = mandatory_gpu_bytes(shape, dtype, context, kv_on_gpu, True, predictor_rank, hw.runtime_buffers)
         dense_on_gpu = sum(dense.values()) <= budget
-    mandatory = mandatory_gpu_bytes(shape, dtype, context, kv_on_gpu, dense_on_gpu, predictor_rank)
+    mandatory = mandatory_gpu_bytes(shape, dtype, context, kv_on_gpu, dense_on_gpu, predictor_rank,
+                                    hw.runtime_buffers)
     if budget < sum(mandatory.values()):
         parts = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in mandatory.items())
         raise BadArgumentError(f"budget {budget / 2**20:.0f} MiB is smaller than the parts that must be on the GPU "

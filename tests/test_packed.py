@@ -184,12 +184,14 @@ def test_all_cpu_decode_takes_the_one_call_path(silu, monkeypatch):
 
 
 @pytest.mark.parametrize("placement", ["all_cpu", "split"])
-def test_relu7b_calibration_reaches_the_target_share(silu, placement):
+def test_relu7b_calibration_reaches_the_target_share(silu, placement, gpu_tier):
     """bench relu7b shifts planted predictors until the sparse model computes the target share
-    of neurons; it must see the predictor on every decode route (one-call and two-tier)."""
+    of neurons; it must see the predictor on every decode route (one-call and two-tier, and
+    on CUDA the device predictor)."""
     from powerinfer.bench.relu7b import calibrate_active_share
 
-    model = load_packed(packed(silu, placement, placements(silu.hash)[placement]), mode="sparse", predictor_bypass=None).model
+    model = load(packed(silu, placement, placements(silu.hash)[placement]), gpu_tier, mode="sparse",
+                 predictor_bypass=None).model
     share = calibrate_active_share(model, 0.3, n=8, max_passes=3)
     assert 0.0 < share < 1.0
     model.ffn_stats.reset()

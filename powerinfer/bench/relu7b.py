@@ -191,14 +191,10 @@ def calibrate_active_share(sparse, target: float, n: int = 32, max_passes: int =
     for _ in range(max_passes):
         records: list[list[np.ndarray]] = [[] for _ in predictors]
         for p, rec in zip(predictors, records):
-            def recording(x, p=p, rec=rec):  # every decode route ends in active_np
-                idx = type(p).active_np(p, x)
-                rec.append(p._logits.copy())
-                return idx
-            p.active_np = recording
+            p.observe = rec.append  # every decode route (CPU or CUDA predictor) reports its logits
         decode_speed(sparse, n)
         for p in predictors:
-            del p.active_np
+            p.observe = None
         logits = [np.concatenate(r) for r in records]
         share = float(np.mean([np.mean(z > p.threshold) for z, p in zip(logits, predictors)]))
         if abs(share - target) < best[0]:
@@ -206,7 +202,7 @@ def calibrate_active_share(sparse, target: float, n: int = 32, max_passes: int =
         if abs(share - target) <= tolerance * target:
             break
         for z, p in zip(logits, predictors):
-            p.b2.sub_(float(np.quantile(z, 1 - target)) - p.threshold)  # the numba path reads the same memory
+            p.b2.sub_(float(np.quantile(z, 1 - target)) - p.threshold)  # in place: the numba path reads it
     for p, b2 in zip(predictors, best[1]):
         p.b2.copy_(b2)
     return best[2]

@@ -341,6 +341,8 @@ class Predictor:
         self.w1, self.b1, self.w2, self.b2 = (t.float().contiguous() for t in (w1, b1, w2, b2))
         self.threshold = float(threshold)
         self.device = self.w1.device
+        # called with each token's logits (1, n) as numpy on every route, when set (calibration)
+        self.observe: Callable[[np.ndarray], None] | None = None
         if self.device.type == "cpu":
             self._np = (self.w1.numpy(), self.b1.numpy(), self.w2.numpy(), self.b2.numpy())
             self._hidden = np.empty((1, self.w1.shape[0]), dtype=np.float32)
@@ -358,18 +360,25 @@ class Predictor:
     def active(self, x: torch.Tensor) -> torch.Tensor:
         """Sorted int64 packed indices of the neurons predicted active for one token."""
         if self.device.type != "cpu":  # threshold where the logits are; only the indices travel
-            return gpu.threshold_to_index(self._device_logits(x), torch.tensor(self.threshold, device=self.device)).cpu()
+            logits = self._device_logits(x)
+            if self.observe is not None:
+                self.observe(logits.float().cpu().numpy())
+            return gpu.threshold_to_index(logits, torch.tensor(self.threshold, device=self.device)).cpu()
         return torch.from_numpy(self.active_np(x.contiguous().numpy()[0]))
 
     def active_np(self, x: np.ndarray) -> np.ndarray:
         """`active` for a CPU predictor and one fp32 token (d,) as numpy, without torch."""
         w1, b1, w2, b2 = self._np
         if self._small:
-            return sparse_cpu.predict_active_small(w1, b1, self._w2t, b2, x, np.float32(self.threshold), self._hidden[0],
-                                                   self._logits[0], _ALL)
-        sparse_cpu.row_gemv(w1, x[None], _ALL, b1, cpu.ACT_IDS["relu"], self._hidden)
-        sparse_cpu.row_gemv(w2, self._hidden, _ALL, b2, -1, self._logits)
-        return sparse_cpu.threshold_to_index(self._logits, self._thr, _ALL)
+            idx = sparse_cpu.predict_active_small(w1, b1, self._w2t, b2, x, np.float32(self.threshold),
+                                                  self._hidden[0], self._logits[0], _ALL)
+        else:
+            sparse_cpu.row_gemv(w1, x[None], _ALL, b1, cpu.ACT_IDS["relu"], self._hidden)
+            sparse_cpu.row_gemv(w2, self._hidden, _ALL, b2, -1, self._logits)
+            idx = sparse_cpu.threshold_to_index(self._logits, self._thr, _ALL)
+        if self.observe is not None:
+            self.observe(self._logits.copy())
+        return idx
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.w1, self.b1, self.w2, self.b2]

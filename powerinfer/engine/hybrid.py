@@ -169,7 +169,10 @@ class HybridFFN:
         if self.b_out is not None:
             base = self.b_out.expand(x.shape[0], -1) if base is None else base + self.b_out
         if x.shape[0] == 1 and self.mode == "sparse" and not self.predictor_bypass:
-            gpu_idx, cpu_idx = self.split(self.predictor.active(x))
+            on_device, on_host = self.predictor.active_on_device(x)
+            gpu_idx, cpu_idx = self.split(on_host)
+            if self.gpu.device == on_device.device:  # the GPU part's indices are already there
+                gpu_idx = on_device[: gpu_idx.shape[0]]
             return self.run_tiers(x, gpu_idx, cpu_idx, self.criterion_id, record=True, base=base)
         return self.run_tiers(x, None, None, self.all_rows_criterion, record=x.shape[0] == 1, base=base)
 
@@ -343,6 +346,7 @@ class Predictor:
         self.device = self.w1.device
         # called with each token's logits (1, n) as numpy on every route, when set (calibration)
         self.observe: Callable[[np.ndarray], None] | None = None
+        self._thr_dev = torch.tensor(self.threshold, device=self.device)
         if self.device.type == "cpu":
             self._np = (self.w1.numpy(), self.b1.numpy(), self.w2.numpy(), self.b2.numpy())
             self._hidden = np.empty((1, self.w1.shape[0]), dtype=np.float32)
@@ -359,12 +363,19 @@ class Predictor:
 
     def active(self, x: torch.Tensor) -> torch.Tensor:
         """Sorted int64 packed indices of the neurons predicted active for one token."""
-        if self.device.type != "cpu":  # threshold where the logits are; only the indices travel
-            logits = self._device_logits(x)
-            if self.observe is not None:
-                self.observe(logits.float().cpu().numpy())
-            return gpu.threshold_to_index(logits, torch.tensor(self.threshold, device=self.device)).cpu()
-        return torch.from_numpy(self.active_np(x.contiguous().numpy()[0]))
+        return self.active_on_device(x)[1]
+
+    def active_on_device(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices where the predictor runs, the same on the CPU): a device predictor
+        thresholds where its logits are and only the indices travel to the host, once."""
+        if self.device.type == "cpu":
+            idx = torch.from_numpy(self.active_np(x.contiguous().numpy()[0]))
+            return idx, idx
+        logits = self._device_logits(x)
+        if self.observe is not None:
+            self.observe(logits.float().cpu().numpy())
+        idx = gpu.threshold_to_index(logits, self._thr_dev)
+        return idx, idx.cpu()
 
     def active_np(self, x: np.ndarray) -> np.ndarray:
         """`active` for a CPU predictor and one fp32 token (d,) as numpy, without torch."""

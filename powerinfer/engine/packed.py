@@ -188,9 +188,10 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
             p = {k: shards["gpu"].get(f"layers.{i}.predictor.{k}") for k in ("w1", "b1", "w2", "b2")}
             if any(v is None for v in p.values()) or p["w2"].shape[0] != args.ffn_dim or p["w1"].shape[1] != args.d_model:
                 raise PackedModelError(f"{path}: layer {i}'s predictor is missing or does not match the model")
-            pred_dev = dev if dev.type == "cuda" else torch.device("cpu")
-            predictor = Predictor(*(p[k].to(pred_dev) for k in ("w1", "b1", "w2", "b2")),
-                                  threshold=layers_meta[i]["predictor"]["threshold"])
+            if mode == "sparse":  # the other modes compute every neuron: no predictor memory spent
+                pred_dev = dev if dev.type == "cuda" else torch.device("cpu")
+                predictor = Predictor(*(p[k].to(pred_dev) for k in ("w1", "b1", "w2", "b2")),
+                                      threshold=layers_meta[i]["predictor"]["threshold"])
         fraction = (layers_meta[i].get("predictor") or {}).get("predicted_fraction")
         bypass = (mode == "sparse" and predictor_bypass is not None and fraction is not None
                   and fraction >= predictor_bypass)

@@ -84,6 +84,24 @@ def test_gated_ffn(dtype, kind, criterion, threshold, tokens, up_act):
     torch.testing.assert_close(g_out.reshape(exp_out.shape), exp_out, **tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_relu_gate_criterion_is_exact(dtype):
+    """With a ReLU gate at threshold 0 the gate criterion (up and down rows read only for
+    neurons that fire) gives the same output as reading every row of the active set."""
+    n, d = 997, 1100  # rows longer than SHORT_ROW and a sparse set: the blocked decode path
+    w_gate, w_up = torch.randn(n, d).to(dtype), torch.randn(n, d).to(dtype)
+    wt_down = (torch.randn(n, d) * 0.1).to(dtype)
+    x = torch.randn(d) * 0.3
+    idx = index_set("random", n)
+    out_gate, h_gate = sparse.sparse_gated_ffn(w_gate, w_up, wt_down, x, idx, "relu", None, "gate", 0.0)
+    out_all, h_all = sparse.sparse_gated_ffn(w_gate, w_up, wt_down, x, idx, "relu", None, "none", 0.0)
+    assert 0.3 < float((h_gate == 0).float().mean()) < 0.7  # about half the predicted neurons do not fire
+    torch.testing.assert_close(h_gate, h_all, **tol(dtype))
+    torch.testing.assert_close(out_gate, out_all, **tol(dtype))
+    exp_out, _ = reference.sparse_gated_ffn(w_gate, w_up, wt_down, x, idx, "relu", None, "gate", 0.0)
+    torch.testing.assert_close(out_gate, exp_out, **tol(dtype))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_predictor_and_threshold_to_index(dtype, tokens):

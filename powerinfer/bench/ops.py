@@ -70,10 +70,12 @@ def cache_bytes(device: torch.device) -> int:
 
 
 def device_read_bandwidth(device: torch.device, n_bytes: int = 4 << 30, repeats: int = 10) -> float:
-    """Bytes/s of the best of `repeats` full reductions of a device buffer (CUDA), or the CPU
-    probe of timing.memory_read_bandwidth."""
+    """Bytes/s of the best of `repeats` full reductions of a device buffer (CUDA), or the
+    CPU probe of timing.memory_read_bandwidth as the median of its passes: the ops are timed
+    by medians too, and this machine's bus is bursty (a best pass reads up to twice what
+    the bus sustains)."""
     if device.type != "cuda":
-        return memory_read_bandwidth()
+        return memory_read_bandwidth(statistic="median")
     import time
 
     buf = torch.ones(n_bytes // 2, dtype=torch.float16, device=device)
@@ -113,8 +115,11 @@ def _sparse_ops(mats, device: torch.device, cols: int, k: int, torch_ops: bool):
 
 
 def bench_dtype(dtype: torch.dtype, rows: int, cols: int, fractions: list[float], repeats: int,
-                device: torch.device | None = None, torch_ops: bool | None = None) -> list[dict]:
-    """One table row per fraction; `torch_ops` (default: on CUDA) times the GPU tier's ops."""
+                device: torch.device | None = None, torch_ops: bool | None = None,
+                probe=None) -> list[dict]:
+    """One table row per fraction; `torch_ops` (default: on CUDA) times the GPU tier's ops.
+    `probe()` (bytes/s) measures the bus before and after each row (the mean is the row's
+    `bus_gbs`): the bus drifts within a run, so each row is compared with its own."""
     device = device or torch.device("cpu")
     torch_ops = device.type == "cuda" if torch_ops is None else torch_ops
     elem = torch.tensor([], dtype=dtype).element_size()
@@ -123,6 +128,7 @@ def bench_dtype(dtype: torch.dtype, rows: int, cols: int, fractions: list[float]
     x_t = torch.randn(cols, device=device).to(dtype)
     dense_t = median_time(_synced(_cycle([lambda w=w: F.linear(x_t, w) for w in mats]), device), repeats) / n_mats
     results = []
+    bus = probe() if probe is not None else float("nan")
     for frac in fractions:
         k = max(1, round(frac * rows))
         # A fresh active set per call: with one set reused, a small fraction's rows of all
@@ -137,7 +143,8 @@ def bench_dtype(dtype: torch.dtype, rows: int, cols: int, fractions: list[float]
         sel_t = median_time(_synced(_cycle([lambda w=w, s=s: w.index_select(0, s) @ x_t for w, s in pairs]), device),
                             repeats) / calls
         active_bytes = k * cols * elem
-        results.append(dict(dtype=str(dtype).replace("torch.", ""), fraction=frac, k=k, dense_us=dense_t * 1e6,
+        bus_before, bus = bus, probe() if probe is not None else float("nan")
+        results.append(dict(bus_gbs=(bus_before + bus) / 2e9, dtype=str(dtype).replace("torch.", ""), fraction=frac, k=k, dense_us=dense_t * 1e6,
                             row_us=row_t * 1e6, col_us=col_t * 1e6, index_select_us=sel_t * 1e6,
                             row_speedup=dense_t / row_t, col_speedup=dense_t / col_t,
                             index_select_speedup=dense_t / sel_t, row_gbs=active_bytes / row_t / 1e9,
@@ -189,24 +196,26 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
         sparse._set_threads(args.threads)
-    bandwidth = device_read_bandwidth(device) / 1e9
     fractions = [float(f) for f in args.fractions.split(",")]
     results = []
     for name in args.dtypes.split(","):
         if name not in DTYPES:
             raise BadArgumentError(f"unknown dtype {name!r}")
-        results += bench_dtype(parse_dtype(name), args.rows, args.cols, fractions, args.repeats, device)
+        results += bench_dtype(parse_dtype(name), args.rows, args.cols, fractions, args.repeats, device,
+                               probe=lambda: device_read_bandwidth(device))
     where = (f"{torch.cuda.get_device_name(device)}: device memory read (best of 10, 4 GiB)" if device.type == "cuda"
-             else f"threads {torch.get_num_threads()}: memory read bandwidth (best parallel read of 1 GiB)")
-    print(f"\nshape {args.rows} x {args.cols}; {where}: {bandwidth:.1f} GB/s; "
+             else f"threads {torch.get_num_threads()}: memory read bandwidth (median parallel read of 1 GiB)")
+    buses = [r["bus_gbs"] for r in results]
+    print(f"\nshape {args.rows} x {args.cols}; {where}, probed before and after each row, the row's % against the "
+          f"mean: {min(buses):.1f}-{max(buses):.1f} GB/s; "
           f"{'L2' if device.type == 'cuda' else 'LLC'} {cache_bytes(device) >> 20} MiB\n")
     print("| dtype | active | dense torch us | sparse row us | speedup | GB/s (% of mem) | sparse col AXPY us | "
           "speedup | GB/s (% of mem) | index_select us | speedup |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['dtype']} | {r['fraction']:.0%} | {r['dense_us']:.0f} | {r['row_us']:.0f} | {r['row_speedup']:.2f}x | "
-              f"{r['row_gbs']:.1f} ({r['row_gbs'] / bandwidth:.0%}) | {r['col_us']:.0f} | {r['col_speedup']:.2f}x | "
-              f"{r['col_gbs']:.1f} ({r['col_gbs'] / bandwidth:.0%}) | {r['index_select_us']:.0f} | "
+              f"{r['row_gbs']:.1f} ({r['row_gbs'] / r['bus_gbs']:.0%}) | {r['col_us']:.0f} | {r['col_speedup']:.2f}x | "
+              f"{r['col_gbs']:.1f} ({r['col_gbs'] / r['bus_gbs']:.0%}) | {r['index_select_us']:.0f} | "
               f"{r['index_select_speedup']:.2f}x |")
     print("\nworking set per dtype: " + ", ".join(sorted({f"{r['dtype']} {r['working_set_mb']:.0f} MB" for r in results})))
     path = args.plot if args.plot is not None else f"docs/bench_ops{'_cuda' if device.type == 'cuda' else ''}.png"

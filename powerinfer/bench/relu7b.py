@@ -294,14 +294,19 @@ def run(args: argparse.Namespace) -> int:
     calibrated = calibrate_active_share(sparse, 1 - args.sparsity, n=args.tokens)
     decode_speed(dense.model, 2), decode_speed(sparse, 2)  # warm-up
     # Rounds alternate dense and sparse, and the bus is probed in each: this machine's
-    # bandwidth drifts by 20-30% within minutes, so the ratio is taken per round (paired).
+    # bandwidth drifts by 20-30% within minutes, so the ratio is taken per round (paired),
+    # and each round runs dense, sparse, dense (half the tokens each time for dense), so that
+    # a drift within the round weighs on both engines alike.
     d_speeds, s_speeds, active, probes = [], [], [], []
+    half = max(1, args.tokens // 2)
     for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
         probes.append(memory_read_bandwidth())
-        d_speeds.append(decode_speed(dense.model, args.tokens))
+        before = decode_speed(dense.model, half)
         sparse.ffn_stats.reset()
         s_speeds.append(decode_speed(sparse, args.tokens))
         active.append(sparse.ffn_stats.active_fraction)
+        after = decode_speed(dense.model, half)
+        d_speeds.append(2 / (1 / before + 1 / after))  # tokens over time, both halves
     huge = {name: huge_page_share(m.tensors()) for name, m in (("dense", dense.model), ("sparse", sparse))}
     ratios = [b / a for a, b in zip(d_speeds, s_speeds)]
     el = 2

@@ -71,7 +71,7 @@ def test_bad_flags(chat_model_dir, flags, fragment):
 def test_generate_and_chat_run(chat_model_dir):
     r = run_cli("generate", "-m", str(chat_model_dir), "-p", "Hello", "-n", "5", "--temperature", "0", "--stats")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("Hello") and "decode:" in r.stdout
+    assert r.stdout.startswith("Hello") and "decode:" in r.stdout and "warm-up before:" in r.stdout
     r = run_cli("chat", "-m", str(chat_model_dir), "-n", "4", "--temperature", "0",
                 stdin="Hi there\n/reset\nAnother question\n/exit\n")
     assert r.returncode == 0, r.stderr
@@ -108,3 +108,13 @@ def test_bench_relu7b_refuses_a_model_that_does_not_fit(tmp_path):
     """Checked before anything is written: 512 layers of the 7B shape need ~500 GiB."""
     assert_clean_error(run_cli("bench", "relu7b", "--layers", "512", "--dir", str(tmp_path / "r")), "GiB of memory")
     assert not (tmp_path / "r").exists()
+
+
+def test_warm_up_leaves_generation_unchanged(chat_model_dir):
+    import powerinfer
+    from powerinfer.engine.generate import warm_up
+
+    lm = powerinfer.load(str(chat_model_dir))
+    before = powerinfer.generate(lm, "Hello there", max_tokens=8, temperature=0)
+    assert warm_up(lm.model) > 0
+    assert powerinfer.generate(lm, "Hello there", max_tokens=8, temperature=0) == before

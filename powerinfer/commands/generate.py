@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..engine.generate import stream_generate
+from ..engine.generate import stream_generate, warm_up
 from ..errors import BadArgumentError
 from .common import add_engine_arguments, add_model_arguments, add_sampling_arguments, load_from_args, sampling_params
 
@@ -16,7 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-p", "--prompt", required=True, help="the prompt text")
     add_sampling_arguments(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--stats", action="store_true", help="print prefill and decode tokens/s")
+    p.add_argument("--stats", action="store_true",
+                   help="print prefill and decode tokens/s (after a warm-up pass, whose time is printed too)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
         prompt = lm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:
         sys.stdout.write(args.prompt)
+    warm = warm_up(lm.model) if args.stats else None  # steady-state speeds, not one-time costs
     last = None
     stats = getattr(lm.model, "ffn_stats", None)
     if stats is not None:
@@ -39,11 +41,11 @@ def run(args: argparse.Namespace) -> int:
         last = r
     sys.stdout.write("\n")
     if args.stats and last is not None:
-        print_stats(last, lm)
+        print_stats(last, lm, warm)
     return 0
 
 
-def print_stats(r, lm=None) -> None:
+def print_stats(r, lm=None, warm_up_s: float | None = None) -> None:
     engine = "dense"
     packed = getattr(lm.model, "packed", None) if lm is not None else None
     if packed:
@@ -56,7 +58,8 @@ def print_stats(r, lm=None) -> None:
         if bypassed:
             engine += f"; predictor bypassed in {bypassed}/{len(lm.model.layers)} dense-ish layers"
     print(f"engine: {engine} | prefill: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | "
-          f"decode: {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s | finish: {r.finish_reason}")
+          f"decode: {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s | finish: {r.finish_reason}"
+          + (f" | warm-up before: {warm_up_s:.2f} s" if warm_up_s is not None else ""))
     stats = getattr(lm.model, "ffn_stats", None) if lm is not None else None
     if stats is not None and stats.layer_calls:
         per_token = " ".join(f"{f:.2f}" for f in stats.per_token_active[:16])

@@ -24,11 +24,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ..engine.generate import warm_up
     from ..server import Server, create_app
 
     if args.max_concurrency < 1 or args.queue_size < 0 or not 0 < args.port < 65536:
         raise BadArgumentError("need --max-concurrency >= 1, --queue-size >= 0 and a port in 1..65535")
     lm = load_from_args(args)
+    warm_up(lm.model)  # so that the first request does not pay for loading the kernels
     name = args.model_name or os.path.basename(lm.path.rstrip("/"))
     server = Server(lm, name, args.max_concurrency, args.queue_size, args.api_key)
     print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)

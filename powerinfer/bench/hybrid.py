@@ -150,12 +150,15 @@ def run(args: argparse.Namespace) -> int:
     relu7b.decode_speed(offload, 2), relu7b.decode_speed(hybrid, 2)  # warm-up
     speeds: dict[str, list[float]] = {"offload": [], "hybrid": []}
     shares, active = [], []
+    half = max(1, args.tokens // 2)
     for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
-        speeds["offload"].append(relu7b.decode_speed(offload, args.tokens))
+        # offload, hybrid, offload (half the tokens each): drift within a round weighs on both
+        before = relu7b.decode_speed(offload, half)
         hybrid.ffn_stats.reset()
         speeds["hybrid"].append(relu7b.decode_speed(hybrid, args.tokens))
         shares.append(hybrid.ffn_stats.gpu_share)
         active.append(hybrid.ffn_stats.active_fraction)
+        speeds["offload"].append(2 / (1 / before + 1 / relu7b.decode_speed(offload, half)))
     manifest = hybrid.packed["manifest"]["placement"]
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else "no CUDA device: the GPU tier is CPU tensors, so these speeds say nothing about a GPU")

@@ -140,7 +140,8 @@ def test_silu_oracle_and_sparse_equal_the_instrumented_reference(silu, placement
 def test_dense_ish_layers_bypass_their_predictor(silu, placement, monkeypatch):
     """A layer whose predictor computes at least `predictor_bypass` of the neurons (on the
     training validation set) runs in sparse mode as the oracle does: every gate/up row, the
-    true activations choosing the down rows, the predictor never called."""
+    true activations choosing the down rows, the predictor never called. Wholly on the CPU it
+    runs the dense FFN kernel, which reads every down row anyway: then it is exact (dense)."""
     from powerinfer.engine.hybrid import Predictor
     from powerinfer.engine.packed import PREDICTOR_BYPASS
 
@@ -156,10 +157,16 @@ def test_dense_ish_layers_bypass_their_predictor(silu, placement, monkeypatch):
     monkeypatch.setattr(Predictor, "active_np", lambda *a: pytest.fail("predictor called"))
     bypassed = load_packed(path, mode="sparse", predictor_bypass=0.0).model
     assert all(l.ffn.predictor_bypass for l in bypassed.layers)
-    torch.testing.assert_close(decode_logits(bypassed, ids), oracle_logits, atol=2e-5, rtol=1e-5)
+    exact = placement == "all_cpu"
+    assert [l.ffn.bypass_exact for l in bypassed.layers] == [exact] * len(bypassed.layers)
+    expected = decode_logits(silu.lm.model, ids) if exact else oracle_logits
+    torch.testing.assert_close(decode_logits(bypassed, ids), expected, atol=2e-5, rtol=1e-5)
+    assert not torch.allclose(expected, predicted_logits, atol=1e-3)
+    assert exact != torch.allclose(expected, oracle_logits, atol=1e-4)  # exact: the threshold is not applied
     assert bypassed.ffn_stats.active_fraction == 1.0  # every gate/up row is read
     model, prof = silu.lm.model, silu.profile
-    with instrumented(model, prof.criterion, prof.thresholds):  # a few tokens: the thresholded dense kernel
+    thresholds = [None] * len(prof.thresholds) if exact else prof.thresholds
+    with instrumented(model, prof.criterion, thresholds):  # a few tokens: the dense kernel per token
         short_ref = model.forward(ids[:3], model.new_cache(64), all_logits=True)
     torch.testing.assert_close(bypassed.forward(ids[:3], bypassed.new_cache(64), all_logits=True), short_ref,
                                atol=2e-5, rtol=1e-5)

@@ -107,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
         preds = Predictors.load(str(cache / "predictors"))
         engine = models.get("sparse")
         bypass = None if engine is None else [bool(l.ffn.predictor_bypass) for l in engine.layers]
-        q = evaluate_predictors(dense, prof, preds, args.quality_prompts, bypass=bypass)
+        exact = None if engine is None else [bool(l.ffn.bypass_exact) for l in engine.layers]
+        q = evaluate_predictors(dense, prof, preds, args.quality_prompts, bypass=bypass, exact=exact)
         results["quality"] = {"perplexity": q["perplexity"], "greedy_agreement": q["greedy_agreement"],
                               "prompts": q["prompts"], "tokens": q["tokens"],
                               "predictor_bypassed_layers": sum(bypass) if bypass else 0}

@@ -155,9 +155,14 @@ class HybridFFN:
         self.mode = mode
         # sparse mode, predictor bypassed (see load_packed): every gate/up row, true activations
         self.predictor_bypass = predictor_bypass and mode == "sparse"
+        # ... and when the whole layer runs the dense FFN kernel, which reads every down row
+        # whatever the activations, the threshold would cost quality and save nothing: such a
+        # layer computes the exact FFN
+        self.bypass_exact = self.predictor_bypass and gpu_tier.n == 0 and cpu_tier.dense_np is not None
         # the criterion when every row is computed: the true activations in oracle mode and
-        # for a bypassed predictor, none in dense and offload mode (and sparse prefill)
-        self.all_rows_criterion = self.criterion_id if mode == "oracle" or self.predictor_bypass else 0
+        # for a bypassed predictor (unless exact), none in dense and offload mode (and sparse prefill)
+        thresholded = mode == "oracle" or (self.predictor_bypass and not self.bypass_exact)
+        self.all_rows_criterion = self.criterion_id if thresholded else 0
         self.executor = executor
         self.stats = stats
         self.last_layer = last_layer  # ends the token in the stats

@@ -126,7 +126,9 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
     bypasses it: every neuron's gate and up rows are computed and the true activations
     choose the down rows (as the oracle mode). Reading a few percent fewer rows does not pay
     for the predictor and the irregular row set; the true activations are also better than
-    the predicted ones. `None` never bypasses.
+    the predicted ones. A bypassed layer wholly on the CPU tier runs the dense FFN kernel,
+    which reads every down row anyway, so it computes the exact FFN, threshold unapplied
+    (`HybridFFN.bypass_exact`). `None` never bypasses.
 
     `gpu_dtype`: the GPU tier's weight dtype; by default `dtype`, except that fp32 becomes
     fp16 on a CUDA device (tests ask for fp32 there, to compare tightly).

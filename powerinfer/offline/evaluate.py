@@ -61,10 +61,11 @@ def greedy_agreement(lm: LoadedModel, prompts: list[torch.Tensor], gen_tokens: i
 
 def evaluate_predictors(lm: LoadedModel, profile: Profile, preds: Predictors, n_prompts: int = 16,
                         max_tokens: int = 256, gen_tokens: int = 128, agreement_prompts: int = 8,
-                        bypass: list[bool] | None = None) -> dict:
+                        bypass: list[bool] | None = None, exact: list[bool] | None = None) -> dict:
     """Per-layer recall/precision and end-to-end perplexity and greedy agreement of the dense,
     oracle and predicted variants. `bypass[i]`: layer i runs without its predictor in the
-    predicted variant (as the sparse engine runs a dense-ish layer, see load_packed)."""
+    predicted variant (as the sparse engine runs a dense-ish layer, see load_packed);
+    `exact[i]`: and without its threshold (a bypassed layer on the dense FFN kernel)."""
     model = lm.model
     texts = heldout_texts(profile, n_prompts)
     tokens = tokenize(lm, texts, max_tokens)
@@ -84,12 +85,13 @@ def evaluate_predictors(lm: LoadedModel, profile: Profile, preds: Predictors, n_
         oracle_ppl = perplexity(model, tokens, "oracle ppl")
     dense_ppl = perplexity(model, tokens, "dense ppl")
     predict = [None if bypass is not None and bypass[i] else p.active for i, p in enumerate(preds.layers)]
-    with instrumented(model, criterion, thresholds, predictors=predict):
+    predicted_thresholds = [None if exact is not None and exact[i] else t for i, t in enumerate(thresholds)]
+    with instrumented(model, criterion, predicted_thresholds, predictors=predict):
         predicted_ppl = perplexity(model, tokens, "predicted ppl")
     prompts = [t[:64] for t in tokens[:agreement_prompts]]
     oracle_agree = greedy_agreement(lm, prompts, gen_tokens, lambda: instrumented(model, criterion, thresholds))
     predicted_agree = greedy_agreement(lm, prompts, gen_tokens,
-                                       lambda: instrumented(model, criterion, thresholds, predictors=predict))
+                                       lambda: instrumented(model, criterion, predicted_thresholds, predictors=predict))
     layers = [{"layer": i, "rank": p.rank, "recall": float(counts[i, 0] / max(counts[i, 2], 1)),
                "precision": float(counts[i, 0] / max(counts[i, 1], 1)),
                "predicted_active": float(counts[i, 1] / max(counts[i, 2], 1))} for i, p in enumerate(preds.layers)]

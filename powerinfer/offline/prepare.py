@@ -117,11 +117,12 @@ def check_sparse(lm, packed_dir: str, profile: Profile, predictors, s: PrepareSe
     texts = heldout_texts(profile, 16) if s.heldout else []
     ppl = {}
     sparse = load_packed(packed_dir, mode="sparse", dtype=s.dtype, with_tokenizer=False).model
-    if texts:  # what the engine computes: predicted neurons, or the true ones where bypassed
+    if texts:  # what the engine computes: predicted neurons, the true ones where bypassed, all where exact
         tokens = tokenize(lm, texts, s.max_tokens)
         ppl["dense"] = perplexity(lm.model, tokens, "dense ppl")
         predict = [None if layer.ffn.predictor_bypass else p.active for layer, p in zip(sparse.layers, predictors.layers)]
-        with instrumented(lm.model, profile.criterion, profile.thresholds, predictors=predict):
+        thresholds = [None if layer.ffn.bypass_exact else t for layer, t in zip(sparse.layers, profile.thresholds)]
+        with instrumented(lm.model, profile.criterion, thresholds, predictors=predict):
             ppl["sparse"] = perplexity(lm.model, tokens, "sparse ppl")
 
     def speed(model, n: int = 32) -> float:

@@ -57,6 +57,8 @@ def print_stats(r, lm=None, warm_up_s: float | None = None) -> None:
         bypassed = sum(bool(getattr(l.ffn, "predictor_bypass", False)) for l in lm.model.layers)
         if bypassed:
             engine += f"; predictor bypassed in {bypassed}/{len(lm.model.layers)} dense-ish layers"
+            exact = sum(bool(getattr(l.ffn, "bypass_exact", False)) for l in lm.model.layers)
+            engine += f" ({exact} of them exact: the dense FFN kernel reads every row anyway)" if exact else ""
     print(f"engine: {engine} | prefill: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | "
           f"decode: {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s | finish: {r.finish_reason}"
           + (f" | warm-up before: {warm_up_s:.2f} s" if warm_up_s is not None else ""))

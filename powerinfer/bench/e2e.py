@@ -91,6 +91,10 @@ def run(args: argparse.Namespace) -> int:
                         if e == "sparse":
                             active.append(models[e].ffn_stats.active_fraction)
             row = {e: statistics.median(v) for e, v in speeds.items()}
+            # ratios of measurements taken back to back (same prompt, one after the other):
+            # the machine's drift cancels better than in a ratio of medians
+            row["paired"] = {f"sparse/{e}": statistics.median(s / o for s, o in zip(speeds["sparse"], speeds[e]))
+                             for e in ("dense", "transformers") if "sparse" in speeds and e in speeds}
             row["input_tokens"] = [len(i) for i in plist]
             results["groups"][f"{g}/{n}"] = row
             print(f"{g:>6} input, {n} output: " + ", ".join(f"{e} {row[e]:.1f}" for e in engines) + " tok/s",
@@ -120,12 +124,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_results(r: dict, engines: list[str]) -> str:
-    lines = [f"model {r['model']}, {r['dtype']} weights, {r['threads']} threads; decode tok/s (median over prompts and rounds)", "",
+    lines = [f"model {r['model']}, {r['dtype']} weights, {r['threads']} threads; decode tok/s (median over prompts and "
+             "rounds); ratios: median of the per-prompt ratios (engines run back to back per prompt)", "",
              "| input / output | " + " | ".join(engines) + " | sparse vs dense | sparse vs transformers |",
              "|---|" + "---|" * (len(engines) + 2)]
     for key, row in r["groups"].items():
-        vs_d = row["sparse"] / row["dense"] if "sparse" in row and "dense" in row else float("nan")
-        vs_t = row["sparse"] / row["transformers"] if "sparse" in row and "transformers" in row else float("nan")
+        paired = row.get("paired", {})
+        vs_d = paired.get("sparse/dense", float("nan"))
+        vs_t = paired.get("sparse/transformers", float("nan"))
         lines.append(f"| {key} ({'/'.join(map(str, row['input_tokens']))} in) | "
                      + " | ".join(f"{row[e]:.1f}" for e in engines) + f" | {vs_d:.2f}x | {vs_t:.2f}x |")
     if r.get("sparse_active_fraction") is not None:

@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
     results["sparse_active_fraction"] = statistics.mean(active) if active else None
     if args.quality_prompts > 0:
-        from ..offline.evaluate import evaluate_predictors
+        from ..offline.evaluate import bypassed_layers, evaluate_predictors
         from ..offline.stats import Profile
         from ..offline.train import Predictors
         from ..paths import content_hash, model_cache_dir
@@ -110,8 +110,7 @@ def run(args: argparse.Namespace) -> int:
         prof = Profile.load(str(cache / "profile"))
         preds = Predictors.load(str(cache / "predictors"))
         engine = models.get("sparse")
-        bypass = None if engine is None else [bool(l.ffn.predictor_bypass) for l in engine.layers]
-        exact = None if engine is None else [bool(l.ffn.bypass_exact) for l in engine.layers]
+        bypass, exact = (None, None) if engine is None else bypassed_layers(engine)
         q = evaluate_predictors(dense, prof, preds, args.quality_prompts, bypass=bypass, exact=exact)
         results["quality"] = {"perplexity": q["perplexity"], "greedy_agreement": q["greedy_agreement"],
                               "prompts": q["prompts"], "tokens": q["tokens"],

@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         speeds["hybrid"].append(relu7b.decode_speed(hybrid, args.tokens))
         shares.append(hybrid.ffn_stats.gpu_share)
         active.append(hybrid.ffn_stats.active_fraction)
-        speeds["offload"].append(2 / (1 / before + 1 / relu7b.decode_speed(offload, half)))
+        speeds["offload"].append(statistics.harmonic_mean([before, relu7b.decode_speed(offload, half)]))
     manifest = hybrid.packed["manifest"]["placement"]
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else "no CUDA device: the GPU tier is CPU tensors, so these speeds say nothing about a GPU")

@@ -72,8 +72,7 @@ def cache_bytes(device: torch.device) -> int:
 def device_read_bandwidth(device: torch.device, n_bytes: int = 4 << 30, repeats: int = 10) -> float:
     """Bytes/s of the best of `repeats` full reductions of a device buffer (CUDA), or the
     CPU probe of timing.memory_read_bandwidth as the median of its passes: the ops are timed
-    by medians too, and this machine's bus is bursty (a best pass reads up to twice what
-    the bus sustains)."""
+    by medians too."""
     if device.type != "cuda":
         return memory_read_bandwidth(statistic="median")
     import time
@@ -128,7 +127,8 @@ def bench_dtype(dtype: torch.dtype, rows: int, cols: int, fractions: list[float]
     x_t = torch.randn(cols, device=device).to(dtype)
     dense_t = median_time(_synced(_cycle([lambda w=w: F.linear(x_t, w) for w in mats]), device), repeats) / n_mats
     results = []
-    bus = probe() if probe is not None else float("nan")
+    probe = probe or (lambda: float("nan"))
+    bus = probe()
     for frac in fractions:
         k = max(1, round(frac * rows))
         # A fresh active set per call: with one set reused, a small fraction's rows of all
@@ -143,7 +143,7 @@ def bench_dtype(dtype: torch.dtype, rows: int, cols: int, fractions: list[float]
         sel_t = median_time(_synced(_cycle([lambda w=w, s=s: w.index_select(0, s) @ x_t for w, s in pairs]), device),
                             repeats) / calls
         active_bytes = k * cols * elem
-        bus_before, bus = bus, probe() if probe is not None else float("nan")
+        bus_before, bus = bus, probe()
         results.append(dict(bus_gbs=(bus_before + bus) / 2e9, dtype=str(dtype).replace("torch.", ""), fraction=frac, k=k, dense_us=dense_t * 1e6,
                             row_us=row_t * 1e6, col_us=col_t * 1e6, index_select_us=sel_t * 1e6,
                             row_speedup=dense_t / row_t, col_speedup=dense_t / col_t,

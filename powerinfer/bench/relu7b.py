@@ -306,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
         s_speeds.append(decode_speed(sparse, args.tokens))
         active.append(sparse.ffn_stats.active_fraction)
         after = decode_speed(dense.model, half)
-        d_speeds.append(2 / (1 / before + 1 / after))  # tokens over time, both halves
+        d_speeds.append(statistics.harmonic_mean([before, after]))  # tokens over time, both halves
     huge = {name: huge_page_share(m.tensors()) for name, m in (("dense", dense.model), ("sparse", sparse))}
     ratios = [b / a for a, b in zip(d_speeds, s_speeds)]
     el = 2

@@ -45,6 +45,8 @@ def memory_read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7, statistic: s
     31.4: a bound the engine beats is no bound. The bus there moves between phases (torch.sum
     sustained 33 GB/s over a second in one minute, 50-54 in another): compare like with like,
     a median probe with median timings, taken next to them."""
+    if statistic not in ("best", "median"):
+        raise ValueError(f"statistic must be 'best' or 'median', not {statistic!r}")
     import numba
     import numpy as np
 
@@ -68,8 +70,6 @@ def memory_read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7, statistic: s
     # padded copies.
     halves = bits[: (bits.shape[0] // 4096 - 4) * 4096].reshape(-1, 4096)  # the same bytes as fp16 rows
     v, y = np.ones(4096, dtype=np.float32), np.zeros(halves.shape[0], dtype=np.float32)
-    if statistic not in ("best", "median"):
-        raise ValueError(f"statistic must be 'best' or 'median', not {statistic!r}")
     pick = min if statistic == "best" else statistics.median
     best = float("inf")  # seconds per byte, of the fastest method
     for fn, size in ((lambda: buf.sum(), arr.nbytes), (lambda: total(arr), arr.nbytes),

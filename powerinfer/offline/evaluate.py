@@ -59,6 +59,21 @@ def greedy_agreement(lm: LoadedModel, prompts: list[torch.Tensor], gen_tokens: i
     return agree / max(total, 1)
 
 
+def bypassed_layers(engine) -> tuple[list[bool], list[bool]]:
+    """Per layer of a loaded sparse engine: whether it bypasses its predictor, and whether it
+    is also exact (threshold unapplied; see load_packed)."""
+    return ([bool(l.ffn.predictor_bypass) for l in engine.layers], [bool(l.ffn.bypass_exact) for l in engine.layers])
+
+
+def engine_variant(predictors: list, thresholds: list[float], bypass: list[bool] | None = None,
+                   exact: list[bool] | None = None) -> tuple[list, list[float | None]]:
+    """(per-layer predictor callables, per-layer thresholds) for `instrumented` that compute
+    what the sparse engine does: predicted neurons above the threshold; every neuron where
+    the layer bypasses its predictor; no threshold either where it is exact."""
+    predict = [None if bypass is not None and bypass[i] else p.active for i, p in enumerate(predictors)]
+    return predict, [None if exact is not None and exact[i] else t for i, t in enumerate(thresholds)]
+
+
 def evaluate_predictors(lm: LoadedModel, profile: Profile, preds: Predictors, n_prompts: int = 16,
                         max_tokens: int = 256, gen_tokens: int = 128, agreement_prompts: int = 8,
                         bypass: list[bool] | None = None, exact: list[bool] | None = None) -> dict:
@@ -84,8 +99,7 @@ def evaluate_predictors(lm: LoadedModel, profile: Profile, preds: Predictors, n_
     with instrumented(model, criterion, thresholds, observers=[observer(i) for i in range(L)]):
         oracle_ppl = perplexity(model, tokens, "oracle ppl")
     dense_ppl = perplexity(model, tokens, "dense ppl")
-    predict = [None if bypass is not None and bypass[i] else p.active for i, p in enumerate(preds.layers)]
-    predicted_thresholds = [None if exact is not None and exact[i] else t for i, t in enumerate(thresholds)]
+    predict, predicted_thresholds = engine_variant(preds.layers, thresholds, bypass, exact)
     with instrumented(model, criterion, predicted_thresholds, predictors=predict):
         predicted_ppl = perplexity(model, tokens, "predicted ppl")
     prompts = [t[:64] for t in tokens[:agreement_prompts]]

@@ -110,7 +110,7 @@ def check_sparse(lm, packed_dir: str, profile: Profile, predictors, s: PrepareSe
     QUALITY_SLACK of dense."""
     from ..bench.timing import decode_round
     from ..engine.packed import load_packed
-    from .evaluate import heldout_texts
+    from .evaluate import bypassed_layers, engine_variant, heldout_texts
     from .profile import instrumented, perplexity, tokenize
 
     _log("checking the sparse engine's speed and quality against dense")
@@ -120,8 +120,7 @@ def check_sparse(lm, packed_dir: str, profile: Profile, predictors, s: PrepareSe
     if texts:  # what the engine computes: predicted neurons, the true ones where bypassed, all where exact
         tokens = tokenize(lm, texts, s.max_tokens)
         ppl["dense"] = perplexity(lm.model, tokens, "dense ppl")
-        predict = [None if layer.ffn.predictor_bypass else p.active for layer, p in zip(sparse.layers, predictors.layers)]
-        thresholds = [None if layer.ffn.bypass_exact else t for layer, t in zip(sparse.layers, profile.thresholds)]
+        predict, thresholds = engine_variant(predictors.layers, profile.thresholds, *bypassed_layers(sparse))
         with instrumented(lm.model, profile.criterion, thresholds, predictors=predict):
             ppl["sparse"] = perplexity(lm.model, tokens, "sparse ppl")
 

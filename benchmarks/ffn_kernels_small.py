@@ -10,7 +10,7 @@ import time
 import numpy as np
 import torch
 
-from powerinfer.ops import cpu, decode, sparse_cpu
+from powerinfer.ops import cpu, decode, panels, sparse_cpu
 from powerinfer.ops.numba_half import numpy_weights
 
 torch.set_num_threads(2)
@@ -33,7 +33,7 @@ ffn_bytes = 3 * n * d * 2
 
 
 def dense_ffn(l):
-    decode.dense_ffn(x[0], W_in[l], cpu.NO_BIAS, W_out[l], cpu.NO_BIAS, True, 0, -1, 0, np.float32(0.0), out)
+    decode.dense_ffn(x[0], W_in[l], cpu.NO_BIAS, W_out[l], cpu.NO_BIAS, True, 0, -1, 0, np.float32(0.0), out, panels.threads())
 
 
 def fused(ix):

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..ops import cpu, decode
+from ..ops import cpu, decode, panels
 from ..ops.linear import Linear
 
 
@@ -60,7 +60,7 @@ class DenseFFN:
         self.act = activation(act)
         self.up_act = activation(up_act) if up_act else None
         self.gated = gated
-        self.n_ff = w_out.weight.shape[1]
+        self.n_ff = w_out.in_features
         self._act_id = cpu.ACT_IDS[act]
         self._up_act_id = cpu.ACT_IDS[up_act] if up_act else -1
 
@@ -95,7 +95,7 @@ class DenseFFN:
         if w_in is None or w_out is None:
             return False
         decode.dense_ffn(h, w_in, self.w_in.b_np, w_out, self.w_out.b_np, self.gated, self._act_id,
-                         self._up_act_id, 0, np.float32(0.0), x)
+                         self._up_act_id, 0, np.float32(0.0), x, panels.threads())
         return True
 
     def _hidden_one(self, h: torch.Tensor) -> torch.Tensor:

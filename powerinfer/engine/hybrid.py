@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import BadArgumentError
-from ..ops import cpu, decode, gpu, sparse_cpu
+from ..ops import cpu, decode, gpu, panels, sparse_cpu
 from ..ops.numba_half import numpy_weights
 from .ffn import activation
 
@@ -104,19 +104,30 @@ class Tier:
         self.all_rows = torch.arange(self.n, dtype=torch.int64)
         self.all_rows_np = self.all_rows.numpy()
         self.dense_np: tuple[np.ndarray, np.ndarray] | None = None  # see use_dense_layout
+        self.dense_panels: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def use_dense_layout(self, place: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
         """Re-lay the weights for a tier that always reads every row (a CPU-only layer in
         dense or oracle mode, or one that bypasses its predictor): gate and up rows in one
         (2n, d) matrix and the down projection untransposed (d, n), as the dense FFN kernel
-        reads them. The neuron-row tensors become views of these, so memory stays the same;
-        decode then runs `decode.dense_ffn` (the GEMV down projection beats the transposed
-        AXPY: 51 vs 55-58 us per SmolLM2 layer), and batches take the torch path. `place`
-        puts the new tensors in memory (huge pages)."""
+        reads them; half weights in column panels (ops/panels.py), which its GEMVs read
+        faster. Decode then runs `decode.dense_ffn` (the GEMV down projection beats the
+        transposed AXPY: 51 vs 55-58 us per SmolLM2 layer); batches take the torch path, from
+        row views of these (or, for panels, rows widened from them per batch, as half weights
+        are widened anyway). Memory stays the same. `place` puts new row-layout tensors in
+        memory (huge pages; panels get them from to_panels)."""
         if not self.numba or self.dense_np is not None:
             return
-        w_in = place(self.w_gate if self.w_up is None else torch.cat([self.w_gate, self.w_up]))
-        w_out = place(self.wt_down.t().contiguous())
+        w_in = self.w_gate if self.w_up is None else torch.cat([self.w_gate, self.w_up])
+        w_out = self.wt_down.t()
+        if w_in.dtype != torch.float32 and panels.panel_width(w_in.shape[1]) and panels.panel_width(w_out.shape[1]):
+            self.d_out = int(w_out.shape[0])
+            self.dense_panels = (panels.to_panels(w_in), panels.to_panels(w_out))
+            self.w_gate = self.w_up = self.wt_down = None  # not kept: the panels replace them
+            self._np = (None, None, self._np[2], None)
+            self.dense_np = tuple(numpy_weights(p) for p in self.dense_panels)
+            return
+        w_in, w_out = place(w_in), place(w_out.contiguous())
         self.w_gate = w_in[: self.n]
         self.w_up = None if self.w_up is None else w_in[self.n :]
         self.wt_down = w_out.t()
@@ -125,8 +136,21 @@ class Tier:
         self._np = (numpy_weights(self.w_gate), None if self.w_up is None else numpy_weights(self.w_up),
                     self._np[2], numpy_weights(self.wt_down))
 
+    def dense_rows(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(gate or fc1 rows (n, d), up rows or None, down transposed (n, d_out)) for the torch
+        path: views of the weights, or fp32 rows widened from the panels."""
+        if self.dense_panels is None:
+            return self.w_gate, self.w_up, self.wt_down
+        w_in = panels.rows_from_panels(self.dense_panels[0])
+        up = w_in[self.n :] if w_in.shape[0] > self.n else None
+        return w_in[: self.n], up, panels.rows_from_panels(self.dense_panels[1]).t()
+
+    @property
+    def out_features(self) -> int:
+        return self.d_out if self.dense_panels is not None else int(self.wt_down.shape[1])
+
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.w_gate, self.w_up, self.b_in, self.wt_down) if t is not None]
+        return [t for t in (self.w_gate, self.w_up, self.b_in, self.wt_down, *(self.dense_panels or ())) if t is not None]
 
 
 class HybridFFN:
@@ -244,7 +268,7 @@ class HybridFFN:
 
     @property
     def out_features(self) -> int:
-        return int(self.cpu.wt_down.shape[1])
+        return self.cpu.out_features
 
     def tier_output(self, tier: Tier, x: torch.Tensor, idx: torch.Tensor | None, criterion: int,
                     base: torch.Tensor | None = None) -> torch.Tensor:
@@ -285,7 +309,7 @@ class HybridFFN:
         """x (d_out,) += a dense-layout tier's FFN of one token h (d,), every row (+ b_out)."""
         b_in = cpu.NO_BIAS if self.gated or tier.b_in is None else tier._np[2]  # gated tiers have no input bias
         decode.dense_ffn(h, tier.dense_np[0], b_in, tier.dense_np[1], b_out, self.gated, self.act_id, self.up_act_id,
-                         criterion, self._threshold32, x)
+                         criterion, self._threshold32, x, panels.threads())
 
     def _numba_tier(self, tier: Tier, x: torch.Tensor, idx: torch.Tensor, criterion: int,
                     base: torch.Tensor | None) -> torch.Tensor:
@@ -322,11 +346,12 @@ class HybridFFN:
         return h
 
     def _torch_dense(self, tier: Tier, x: torch.Tensor, criterion: int) -> torch.Tensor:
-        g = gpu._matmul(x, tier.w_gate.t())
+        w_gate, w_up, wt_down = tier.dense_rows()
+        g = gpu._matmul(x, w_gate.t())
         if tier.b_in is not None:
             g = g + tier.b_in.float()
-        u = gpu._matmul(x, tier.w_up.t()) if self.gated else None
-        return gpu._matmul(self._values(g, u, criterion), tier.wt_down)
+        u = gpu._matmul(x, w_up.t()) if self.gated else None
+        return gpu._matmul(self._values(g, u, criterion), wt_down)
 
     def _torch_sparse(self, tier: Tier, x: torch.Tensor, idx: torch.Tensor, criterion: int) -> torch.Tensor:
         if self.gated:

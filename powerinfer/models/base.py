@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..engine.cache import KVCache
 from ..engine.ffn import FFN, DenseFFN
-from ..ops import cpu, decode
+from ..ops import cpu, decode, panels
 from ..ops.linear import Linear
 
 _EMPTY_TABLE = np.zeros((1, 1), dtype=np.float32)
@@ -334,7 +334,8 @@ class Model:
             h = self._decode_bufs.h = np.empty(a.d_model, dtype=np.float32)
         xv = x[0].numpy()
         decode.attention_block(xv, w[0], w[1], w[2], w[3], w[4], w[5], w[6], pos, cos, sin, cache.k_np[i],
-                               cache.v_np[i], a.n_heads, a.n_kv_heads, a.head_dim, self._attn_scale, rope, h)
+                               cache.v_np[i], a.n_heads, a.n_kv_heads, a.head_dim, self._attn_scale, rope, h,
+                               panels.threads())
         add_one = getattr(layer.ffn, "add_one", None)  # DenseFFN and HybridFFN have a one-call path
         if add_one is not None and add_one(h, xv):
             return x

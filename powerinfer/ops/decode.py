@@ -17,29 +17,32 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .cpu import _act, add_matvec, attend_head, dot4, gated_value, rms_norm, row_dot, write_kv
+from numba.extending import overload
+
+from .cpu import _act, attend_head, dot4, gated_value, rms_norm, row_dot, write_kv
+from .panels import add_matvec_panels, in_features, matvec_into, out_features
 
 
 @njit(parallel=True, fastmath=True, cache=True)
 def attention_block(x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, pos, cos, sin, k_cache, v_cache,
-                    n_heads, n_kv, head_dim, scale, rope, h_out):
+                    n_heads, n_kv, head_dim, scale, rope, h_out, threads):
     """x += attention(rms_norm(x)) in place, then h_out = rms_norm(x) * ffn_norm_w.
 
     `k_cache`/`v_cache` are this layer's (kv_heads, max_len, head_dim) caches; the token's
-    key and value are written at `pos`.
+    key and value are written at `pos`. `threads`: numba's thread count (panels.threads()).
     """
     d = x.shape[0]
-    n_qkv = wqkv.shape[0]
+    n_qkv = out_features(wqkv)
     q_dim = n_heads * head_dim
     h = np.empty(d, dtype=np.float32)
     rms_norm(x, norm_w, eps, h)
     qkv = np.zeros(n_qkv, dtype=np.float32)
-    add_matvec(wqkv, h, bqkv, qkv)
+    matvec_into(wqkv, h, bqkv, qkv, threads)
     write_kv(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, rope)
     attn = np.empty(q_dim, dtype=np.float32)
     for hd in prange(n_heads):
         attend_head(hd, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, attn)
-    add_matvec(wo, attn, bo, x)
+    matvec_into(wo, attn, bo, x, threads)
     rms_norm(x, ffn_norm_w, eps, h_out)
 
 
@@ -73,23 +76,47 @@ def _gated_hidden(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, 
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def dense_ffn(h, w_in, b_in, w_out, b_out, gated, act_id, up_act_id, criterion, threshold, x):
+def _gated_hidden_panels(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):
+    """_gated_hidden for w_in in panels: the panel GEMV of all gate and up rows first (a
+    neuron's two dots finish only at the last panel), then the neurons' values."""
+    pre = np.zeros(2 * n_ff, dtype=np.float32)
+    add_matvec_panels(w_in, h, np.zeros(0, dtype=np.float32), pre, threads)  # biases: in _gated_value
+    for i in prange(n_ff):
+        hidden[i] = _gated_value(pre[i], pre[n_ff + i], i, n_ff, b_in, act_id, up_act_id, criterion, threshold)
+
+
+def gated_hidden(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):  # pragma: no cover
+    raise NotImplementedError("gated_hidden() is for numba kernels")
+
+
+@overload(gated_hidden)
+def _gated_hidden_any(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):
+    if w_in.ndim == 3:
+        return lambda h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads: (
+            _gated_hidden_panels(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads))
+    return lambda h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads: _gated_hidden(
+        h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def dense_ffn(h, w_in, b_in, w_out, b_out, gated, act_id, up_act_id, criterion, threshold, x, threads):
     """x += FFN(h) in place, every neuron's rows read.
 
     Gated: w_in is (2 n_ff, d), gate rows first; neuron i = act(gate_i . h) * up_act(up_i . h)
     (up_act_id < 0: no activation on up). Plain: neuron i = act(w_in_i . h + b_in_i).
-    w_out is (d, n_ff). `criterion`/`threshold` zero neurons as the sparse kernels do (0: none;
+    w_out is (d, n_ff). Either may be in column panels (ops/panels.py). `criterion`/`threshold` zero neurons as the sparse kernels do (0: none;
     1: |act(gate)| <= threshold, or |act| for a plain FFN; 2: |neuron| <= threshold), which
-    makes this the oracle FFN when every row is read anyway.
+    makes this the oracle FFN when every row is read anyway. `threads`: numba's thread count
+    (panels.threads()).
     """
-    n_ff = w_out.shape[1]
+    n_ff = in_features(w_out)
     hidden = np.empty(n_ff, dtype=np.float32)
     if gated:
-        _gated_hidden(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden)
+        gated_hidden(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads)
     else:
         hidden[:] = 0.0
-        add_matvec(w_in, h, b_in, hidden)
+        matvec_into(w_in, h, b_in, hidden, threads)
         for i in range(n_ff):
             v = _act(hidden[i], act_id)
             hidden[i] = np.float32(0.0) if criterion != 0 and abs(v) <= threshold else v
-    add_matvec(w_out, hidden, b_out, x)
+    matvec_into(w_out, hidden, b_out, x, threads)

@@ -10,6 +10,7 @@ No library does this for torch tensors; it is one madvise call through ctypes.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import sys
 
@@ -34,17 +35,28 @@ def _madvise(addr: int, length: int) -> bool:
         return False
 
 
-def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of CPU tensor `t` in a buffer advised for huge pages (or `t` itself
-    when it is small, not on the CPU, or the system refuses the advice)."""
-    n = t.numel() * t.element_size()
-    if t.device.type != "cpu" or n < MIN_BYTES:
-        return t
+def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """An uninitialised contiguous CPU tensor in a buffer advised for huge pages, or None
+    when it is small or the system refuses the advice. Fill it before other allocations:
+    the pages are granted at first touch."""
+    n = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    if n < MIN_BYTES:
+        return None
     raw = torch.empty(n + HUGE_PAGE, dtype=torch.uint8)
     off = (-raw.data_ptr()) % HUGE_PAGE
     if not _madvise(raw.data_ptr() + off, n - n % HUGE_PAGE):
+        return None
+    return raw[off : off + n].view(dtype).view(shape)  # a view keeps `raw` alive
+
+
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of CPU tensor `t` in a buffer advised for huge pages (or `t` itself
+    when it is small, not on the CPU, or the system refuses the advice)."""
+    if t.device.type != "cpu":
         return t
-    out = raw[off : off + n].view(t.dtype).view(t.shape)  # a view keeps `raw` alive
+    out = huge_empty(tuple(t.shape), t.dtype)
+    if out is None:
+        return t
     out.copy_(t)
     return out
 

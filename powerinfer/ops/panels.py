@@ -1,0 +1,148 @@
+"""The panel layout of dense weights for the single-token GEMV, and its kernel.
+
+A dense (out, in) weight is stored as `in / P` column panels of shape (out, P), each
+contiguous: panel b holds columns [b P, (b + 1) P) of every row. The GEMV then walks one
+panel at a time, so the slice of x it multiplies by is P floats (1 KiB at P = 256) that stay
+in the L1 cache while a whole panel streams past. In the row layout the whole x (16 KiB at
+d = 4096, 44 KiB for a down projection) is re-read for every few rows, and the weight
+stream evicts it from L1 between uses.
+
+Why it is worth a layout (measured on the 2-core dev machine, 1 GiB of fp16 weights, runs
+interleaved with a torch.sum probe): the row-layout GEMV read 23-35 GB/s where torch.sum
+read 31-50; the same GEMV with x replaced by one L1-resident line read as fast as
+torch.sum, with x in fp16 (half the bytes) in between; the panel GEMV read 28-40 (+6% in the
+bus's slow phases, +15-22% in its fast ones). A hand-written C kernel with the x slice in
+registers did no better than this numba one in the slow phases.
+
+Only the dense decode GEMVs use panels (attention projections, untied LM heads, the dense
+FFN): the sparse kernels read whole rows chosen by index, which the row layout keeps
+contiguous. Batches (prefill) widen the panels back to fp32 rows for torch's GEMM, which
+the row layout also had to do for half weights, so panels are used for bf16/fp16 weights.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange
+from numba.extending import overload
+
+from .cpu import add_matvec
+from .memory import huge_empty
+from .numba_half import widen
+
+# Widths tried in order; the first that divides the row length is used (SmolLM2's 576 = 3 x 192).
+PANEL_WIDTHS = (256, 192, 128, 64)
+
+
+def panel_width(cols: int) -> int:
+    """The panel width for rows of `cols` elements; 0 when none divides it (keep rows)."""
+    return next((p for p in PANEL_WIDTHS if cols % p == 0), 0)
+
+
+def to_panels(w: torch.Tensor) -> torch.Tensor:
+    """(out, in) -> contiguous (in / P, out, P) panels, on huge pages where the system grants
+    them; `w` must have a panel width."""
+    out_f, in_f = w.shape
+    p = panel_width(in_f)
+    if p == 0:
+        raise ValueError(f"no panel width divides {in_f}")
+    shape = (in_f // p, out_f, p)
+    panels = huge_empty(shape, w.dtype) if w.device.type == "cpu" else None
+    if panels is None:
+        panels = torch.empty(shape, dtype=w.dtype, device=w.device)
+    panels.copy_(w.reshape(out_f, in_f // p, p).transpose(0, 1))
+    return panels
+
+
+def threads() -> int:
+    """numba's thread count for kernels called from this thread (the kernels' last argument)."""
+    return numba.get_num_threads()
+
+
+def rows_from_panels(wp: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The (out, in) matrix of panels `wp`, in `dtype`, in one pass (widen and re-lay)."""
+    nb, out_f, p = wp.shape
+    rows = torch.empty(out_f, nb * p, dtype=dtype, device=wp.device)
+    rows.view(out_f, nb, p).copy_(wp.transpose(0, 1))
+    return rows
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def add_matvec_panels(wp, v, b, x, threads):
+    """x += W v (+ b) for W in panels (nb, out, P), on `threads` threads (numba's current
+    count, passed in: numba.get_num_threads() inside a kernel stops it and its callers from
+    being cached). Each thread owns a contiguous range of rows and reads it panel after
+    panel as two sequential streams (its first and second half). Measured, 32 fp16 4096 x
+    4096 matrices cycled: two streams 32.8 GB/s, one 30.7, rows 30.2; 32 shorter chunks
+    instead of one range per thread 25.8 (short runs per panel)."""
+    nb, n, p = wp.shape
+    for t in prange(threads):
+        lo, hi = t * n // threads, (t + 1) * n // threads
+        h = (hi - lo) // 2
+        for blk in range(nb):
+            off = blk * p
+            for i in range(lo, lo + h):
+                k = i + h
+                a0 = np.float32(0.0)
+                a1 = np.float32(0.0)
+                for c in range(p):
+                    vc = v[off + c]
+                    a0 += widen(wp[blk, i, c]) * vc
+                    a1 += widen(wp[blk, k, c]) * vc
+                x[i] += a0
+                x[k] += a1
+            for i in range(lo + 2 * h, hi):
+                acc = np.float32(0.0)
+                for c in range(p):
+                    acc += widen(wp[blk, i, c]) * v[off + c]
+                x[i] += acc
+        if b.shape[0] > 0:
+            for i in range(lo, hi):
+                x[i] += b[i]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def gemv_any(w, x, bias, residual, out, threads):
+    """out = W x (+ bias) (+ residual), W in rows or panels; empty arrays mean none."""
+    if residual.shape[0] > 0:
+        out[:] = residual
+    else:
+        out[:] = 0.0
+    matvec_into(w, x, bias, out, threads)
+
+
+def matvec_into(w, v, b, x, threads):  # pragma: no cover - only its numba overload runs
+    """x += W v (+ b) inside numba kernels, for W in rows (2-D) or panels (3-D; `threads` is
+    numba's thread count, which the row kernel does not need)."""
+    raise NotImplementedError("matvec_into() is for numba kernels")
+
+
+@overload(matvec_into)
+def _matvec_into(w, v, b, x, threads):
+    if w.ndim == 3:
+        return lambda w, v, b, x, threads: add_matvec_panels(w, v, b, x, threads)
+    return lambda w, v, b, x, threads: add_matvec(w, v, b, x)
+
+
+def out_features(w):  # pragma: no cover - only its numba overload runs
+    raise NotImplementedError("out_features() is for numba kernels")
+
+
+@overload(out_features)
+def _out_features(w):
+    if w.ndim == 3:
+        return lambda w: w.shape[1]
+    return lambda w: w.shape[0]
+
+
+def in_features(w):  # pragma: no cover - only its numba overload runs
+    raise NotImplementedError("in_features() is for numba kernels")
+
+
+@overload(in_features)
+def _in_features(w):
+    if w.ndim == 3:
+        return lambda w: w.shape[0] * w.shape[2]
+    return lambda w: w.shape[1]

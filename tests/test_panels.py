@@ -15,7 +15,8 @@ from powerinfer.ops.numba_half import numpy_weights
 HALF = [torch.bfloat16, torch.float16]
 
 
-@pytest.mark.parametrize("cols,width", [(256, 256), (4096, 256), (576, 192), (640, 128), (320, 64), (100, 0)])
+@pytest.mark.parametrize("cols,width", [(4096, 512), (11008, 688), (576, 288), (1536, 512), (64, 32), (32, 16),
+                                        (16, 0), (100, 0)])
 def test_panel_width_divides_the_row(cols, width):
     assert panels.panel_width(cols) == width
 
@@ -31,7 +32,7 @@ def test_panels_round_trip(dtype, shape):
     assert torch.equal(panels.rows_from_panels(wp, dtype), w)
     assert torch.equal(panels.rows_from_panels(wp), w.float())
     with pytest.raises(ValueError, match="no panel width"):
-        panels.to_panels(torch.zeros(3, 100, dtype=dtype))
+        panels.to_panels(torch.zeros(3, 100, dtype=dtype))  # no multiple of 16 divides 100
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -67,7 +68,7 @@ def test_linear_stores_half_weights_in_panels(dtype, shape):
     # fp32 weights, the torch route and rows no width divides stay rows
     assert not Linear(w.float()).panels and Linear(w.float()).weight.dim() == 2
     assert not Linear(w, kernels=False).panels
-    assert not Linear(torch.randn(4, 100).to(dtype)).panels
+    assert not Linear(torch.randn(4, 100).to(dtype)).panels and not Linear(torch.randn(4, 16).to(dtype)).panels
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -75,7 +76,7 @@ def test_linear_stores_half_weights_in_panels(dtype, shape):
                                                         (True, "gelu", "relu", 2), (False, "relu", None, 1),
                                                         (False, "gelu_pytorch_tanh", None, 0)])
 def test_dense_ffn_same_in_panels_and_rows(dtype, gated, act, up_act, criterion):
-    d, n_ff = 192, 320  # panel widths 192 (w_in rows) and 64 (w_out rows)
+    d, n_ff = 192, 320  # panel widths 96 (w_in rows) and 160 (w_out rows)
     w_in = torch.randn((2 if gated else 1) * n_ff, d).to(dtype)
     w_out = (torch.randn(d, n_ff) / 8).to(dtype)
     b_in, b_out = torch.randn(w_in.shape[0]).numpy(), torch.randn(d).numpy()

@@ -7,12 +7,11 @@ in the L1 cache while a whole panel streams past. In the row layout the whole x 
 d = 4096, 44 KiB for a down projection) is re-read for every few rows, and the weight
 stream evicts it from L1 between uses.
 
-Why it is worth a layout (measured on the 2-core dev machine, 1 GiB of fp16 weights, runs
-interleaved with a torch.sum probe): the row-layout GEMV read 23-35 GB/s where torch.sum
-read 31-50; the same GEMV with x replaced by one L1-resident line read as fast as
-torch.sum, with x in fp16 (half the bytes) in between; the panel GEMV read 28-40 (+6% in the
-bus's slow phases, +15-22% in its fast ones). A hand-written C kernel with the x slice in
-registers did no better than this numba one in the slow phases.
+Why it is worth a layout (measured on the 2-core dev machine, fp16 weights far above the
+LLC, runs interleaved with a torch.sum probe; docs/BENCHMARKS.md, session 8): the row GEMV
+read 60% of torch.sum in the bus's fast phases, and as fast as torch.sum once x was one
+L1-resident line; the panel GEMV reads 77-85% there (rows 57-58%), and 87-95% in the slow
+phases (rows 77-79%). A hand-written C kernel with the x slice in registers did no better.
 
 Only the dense decode GEMVs use panels (attention projections, untied LM heads, the dense
 FFN): the sparse kernels read whole rows chosen by index, which the row layout keeps

@@ -272,6 +272,7 @@ def test_offload_mode_puts_whole_layers_on_the_gpu_tier(relu, gpu_tier):
     pl["baselines"]["offload"]["gpu_layers"] = 2
     m = load(packed(relu, "split-offload", pl), gpu_tier, mode="offload").model
     assert [(l.ffn.gpu.n, l.ffn.cpu.n) for l in m.layers] == [(N_FF, 0), (N_FF, 0), (0, N_FF)]
+    assert m.layers[2].ffn.cpu.dense_np is not None  # the baseline's CPU layer runs the dense FFN kernel
     assert m.lm_head.w_np is not None  # the baseline's budget did not hold the head: it stays on the CPU
     assert all(l.ffn.predictor is None for l in m.layers)  # every neuron is computed: no predictor memory
     ids = prompt_ids(relu.lm)

@@ -210,7 +210,7 @@ class HybridFFN:
         when the whole layer is on the CPU tier (GPU tier empty, CPU predictor). Returns False,
         doing nothing, when it does not apply; `__call__` then takes the general route."""
         tier = self.cpu
-        if self.gpu.n or not tier.numba or self.mode == "offload":
+        if self.gpu.n or not tier.numba:
             return False
         if tier.dense_np is not None:  # every row, dense layout: the dense FFN kernel
             self._record(0, tier.n, False)

@@ -197,8 +197,10 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
         fraction = (layers_meta[i].get("predictor") or {}).get("predicted_fraction")
         bypass = (mode == "sparse" and predictor_bypass is not None and fraction is not None
                   and fraction >= predictor_bypass)
-        if gpu_tier.n == 0 and (mode in ("dense", "oracle") or bypass):
-            cpu_tier.use_dense_layout(on_huge_pages)  # every row is read: the dense kernel's layout
+        if gpu_tier.n == 0 and (mode in ("dense", "oracle", "offload") or bypass):
+            # every row is read: the dense kernel's layout (for offload, the CPU layers of the
+            # llama.cpp-style baseline then run as a dense engine's would)
+            cpu_tier.use_dense_layout(on_huge_pages)
         b_out = dense_state.pop(f"layers.{i}.ffn.b_out", None)
         ffns.append(HybridFFN(gpu_tier, cpu_tier, None if b_out is None else b_out.float(), args.act, args.up_act,
                               args.gated_ffn, manifest["criterion"], layers_meta[i]["threshold"], predictor,

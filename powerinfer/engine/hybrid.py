@@ -108,8 +108,8 @@ class Tier:
 
     def use_dense_layout(self, place: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
         """Re-lay the weights for a tier that always reads every row (a CPU-only layer in
-        dense, oracle or offload mode, or one that bypasses its predictor): gate and up rows in one
-        (2n, d) matrix and the down projection untransposed (d, n), as the dense FFN kernel
+        dense, oracle or offload mode, or one that bypasses its predictor): gate and up rows in
+        one (2n, d) matrix and the down projection untransposed (d, n), as the dense FFN kernel
         reads them; half weights in column panels (ops/panels.py), which its GEMVs read
         faster. Decode then runs `decode.dense_ffn` (the GEMV down projection beats the
         transposed AXPY: 51 vs 55-58 us per SmolLM2 layer); batches take the torch path, from

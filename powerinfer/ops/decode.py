@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
-
 from numba.extending import overload
 
 from .cpu import _act, attend_head, dot4, gated_value, rms_norm, row_dot, write_kv
@@ -104,10 +103,10 @@ def dense_ffn(h, w_in, b_in, w_out, b_out, gated, act_id, up_act_id, criterion, 
 
     Gated: w_in is (2 n_ff, d), gate rows first; neuron i = act(gate_i . h) * up_act(up_i . h)
     (up_act_id < 0: no activation on up). Plain: neuron i = act(w_in_i . h + b_in_i).
-    w_out is (d, n_ff). Either may be in column panels (ops/panels.py). `criterion`/`threshold` zero neurons as the sparse kernels do (0: none;
-    1: |act(gate)| <= threshold, or |act| for a plain FFN; 2: |neuron| <= threshold), which
-    makes this the oracle FFN when every row is read anyway. `threads`: numba's thread count
-    (panels.threads()).
+    w_out is (d, n_ff). Either may be in column panels (ops/panels.py). `criterion`/`threshold`
+    zero neurons as the sparse kernels do (0: none; 1: |act(gate)| <= threshold, or |act| for
+    a plain FFN; 2: |neuron| <= threshold), which makes this the oracle FFN when every row is
+    read anyway. `threads`: numba's thread count (panels.threads()).
     """
     n_ff = in_features(w_out)
     hidden = np.empty(n_ff, dtype=np.float32)

@@ -61,21 +61,25 @@ SPAN = 256
 
 
 @njit(inline="always", fastmath=True)
+def _prefetch_span(pw, rows, n_rows, jb, n):
+    """Prefetch elements [jb, jb + n) of the first n_rows rows `rows` of matrix `pw`."""
+    base, row_bytes, el = pw.ctypes.data, pw.strides[0], pw.strides[1]
+    for i in range(n_rows):
+        start = base + rows[i] * row_bytes + jb * el
+        for off in range(0, n * el, 64):
+            _prefetch_l3(start + off)
+
+
+@njit(inline="always", fastmath=True)
 def _dot8(w, rows, x, t, out, pw, ahead):
     """out[0:8] = W[rows[i]] . x[t] for eight rows, while prefetching rows `ahead` of matrix
-    `pw` (the rows read next; an empty `ahead` prefetches nothing)."""
+    `pw` (the rows read next, eight or none)."""
     r0, r1, r2, r3, r4, r5, r6, r7 = rows[0], rows[1], rows[2], rows[3], rows[4], rows[5], rows[6], rows[7]
     d = x.shape[1]
-    prefetch = ahead.shape[0] == ROW_BLOCK
-    base, row_bytes, el = pw.ctypes.data, pw.strides[0], pw.strides[1]
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
     for jb in range(0, d, SPAN):
         n = min(SPAN, d - jb)
-        if prefetch:
-            for i in range(ROW_BLOCK):
-                start = base + ahead[i] * row_bytes + jb * el
-                for off in range(0, n * el, 64):
-                    _prefetch_l3(start + off)
+        _prefetch_span(pw, ahead, ahead.shape[0], jb, n)
         s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
         for jj in range(n):
             j = np.uint64(jb + jj)
@@ -197,13 +201,9 @@ def _axpy_block(wt, rows, coefs, n, acc_row, ahead, n_ahead):
     if n == AXPY_BLOCK:
         r0, r1, r2, r3, r4, r5, r6, r7 = rows[0], rows[1], rows[2], rows[3], rows[4], rows[5], rows[6], rows[7]
         s0, s1, s2, s3, s4, s5, s6, s7 = coefs[0], coefs[1], coefs[2], coefs[3], coefs[4], coefs[5], coefs[6], coefs[7]
-        base, row_bytes, el = wt.ctypes.data, wt.strides[0], wt.strides[1]
         for jb in range(0, d, SPAN):
             m = min(SPAN, d - jb)
-            for i in range(n_ahead):
-                start = base + ahead[i] * row_bytes + jb * el
-                for off in range(0, m * el, 64):
-                    _prefetch_l3(start + off)
+            _prefetch_span(wt, ahead, n_ahead, jb, m)
             for jj in range(m):
                 j = np.uint64(jb + jj)  # unsigned: see SPAN
                 acc_row[j] += (s0 * widen(wt[r0, j]) + s1 * widen(wt[r1, j]) + s2 * widen(wt[r2, j])

@@ -96,9 +96,14 @@ def test_bench_ops_times_the_gpu_tier_ops_and_refuses_a_missing_device(monkeypat
     from powerinfer.bench.ops import bench_dtype
 
     monkeypatch.setattr(ops, "cache_bytes", lambda device: 0)  # four small matrices, not thousands
-    rows = bench_dtype(torch.float16, 200, 48, [0.1, 1.0], 1, torch.device("cpu"), torch_ops=True)
+    rows = bench_dtype(torch.float16, 200, 48, [0.1, 1.0], 3, torch.device("cpu"), torch_ops=True,
+                       probe=lambda: 2e9)
     assert [r["k"] for r in rows] == [20, 200]
     assert all(r["row_us"] > 0 and r["col_us"] > 0 and r["dense_us"] > 0 for r in rows)
+    for r in rows:  # a steady bus: each cell's share is its rate over the bus
+        assert r["bus_gbs"] == pytest.approx(2.0)
+        assert r["row_bus"] == pytest.approx(r["row_gbs"] / 2.0, rel=1e-6)
+        assert r["col_bus"] == pytest.approx(r["col_gbs"] / 2.0, rel=1e-6)
     if not torch.cuda.is_available():
         assert_clean_error(run_cli("bench", "ops", "--device", "cuda"), "no CUDA device")
     assert_clean_error(run_cli("bench", "ops", "--device", "tpu"), "unknown --device")

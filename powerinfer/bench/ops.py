@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
+import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -26,7 +29,7 @@ from ..loader import DTYPES, parse_dtype
 from ..ops import gpu, sparse, sparse_cpu
 from ..ops.memory import on_huge_pages
 from ..ops.numba_half import numpy_weights
-from .timing import last_level_cache_bytes, median_time, memory_read_bandwidth
+from .timing import BusProbe, last_level_cache_bytes, median_time
 
 FRACTIONS = (0.05, 0.10, 0.20, 0.30, 1.00)
 INDEX_SETS = 4
@@ -69,24 +72,31 @@ def cache_bytes(device: torch.device) -> int:
     return last_level_cache_bytes()
 
 
-def device_read_bandwidth(device: torch.device, n_bytes: int = 4 << 30, repeats: int = 10) -> float:
-    """Bytes/s of the best of `repeats` full reductions of a device buffer (CUDA), or the
-    CPU probe of timing.memory_read_bandwidth as the median of its passes: the ops are timed
-    by medians too."""
+def bus_probe(device: torch.device) -> Callable[[], float]:
+    """A quick read of the device's memory bus (bytes/s), cheap enough to take between the
+    timings it is compared with: the CPU's BusProbe (one pass of each method over 1 GiB),
+    or on CUDA the best of three full reductions of a 4 GiB device buffer."""
     if device.type != "cuda":
-        return memory_read_bandwidth(statistic="median")
-    import time
+        return BusProbe().read
+    buf = torch.ones(2 << 30, dtype=torch.float16, device=device)
 
-    buf = torch.ones(n_bytes // 2, dtype=torch.float16, device=device)
-    buf.sum()
-    torch.cuda.synchronize(device)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        buf.sum()
-        torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return n_bytes / best
+    def read() -> float:
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            buf.sum()
+            torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+        return buf.nbytes / best
+    read()
+    return read
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def _sparse_ops(mats, device: torch.device, cols: int, k: int, torch_ops: bool):
@@ -115,20 +125,24 @@ def _sparse_ops(mats, device: torch.device, cols: int, k: int, torch_ops: bool):
 
 def bench_dtype(dtype: torch.dtype, rows: int, cols: int, fractions: list[float], repeats: int,
                 device: torch.device | None = None, torch_ops: bool | None = None,
-                probe=None) -> list[dict]:
+                probe: Callable[[], float] | None = None) -> list[dict]:
     """One table row per fraction; `torch_ops` (default: on CUDA) times the GPU tier's ops.
-    `probe()` (bytes/s) measures the bus before and after each row (the mean is the row's
-    `bus_gbs`): the bus drifts within a run, so each row is compared with its own."""
+
+    Each of `repeats` rounds times the dense GEMV, the sparse row GEMV and the column AXPY
+    side by side, with a read of the bus (`probe()`, bytes/s) before and after each sparse
+    op. A round's speedups and % of the bus pair timings taken a fraction of a second apart,
+    and the row reports their medians: this machine's bus drifts between phases within a
+    run (33 vs 50+ GB/s), and a probe or a dense baseline from another phase would misjudge
+    the op."""
     device = device or torch.device("cpu")
     torch_ops = device.type == "cuda" if torch_ops is None else torch_ops
     elem = torch.tensor([], dtype=dtype).element_size()
     n_mats = max(4, math.ceil(4 * cache_bytes(device) / (rows * cols * elem)))
     mats = [on_huge_pages(torch.randn(rows, cols, device=device).to(dtype)) for _ in range(n_mats)]  # huge pages: CPU only
     x_t = torch.randn(cols, device=device).to(dtype)
-    dense_t = median_time(_synced(_cycle([lambda w=w: F.linear(x_t, w) for w in mats]), device), repeats) / n_mats
+    dense = _synced(_cycle([lambda w=w: F.linear(x_t, w) for w in mats]), device)
     results = []
     probe = probe or (lambda: float("nan"))
-    bus = probe()
     for frac in fractions:
         k = max(1, round(frac * rows))
         # A fresh active set per call: with one set reused, a small fraction's rows of all
@@ -138,17 +152,31 @@ def bench_dtype(dtype: torch.dtype, rows: int, cols: int, fractions: list[float]
         make = _sparse_ops(mats, device, cols, k, torch_ops)
         ops = [make(w, s) for w, s in pairs]
         calls = len(pairs)
-        row_t = median_time(_synced(_cycle([r for r, _ in ops]), device), repeats) / calls
-        col_t = median_time(_synced(_cycle([c for _, c in ops]), device), repeats) / calls
+        row = _synced(_cycle([r for r, _ in ops]), device)
+        col = _synced(_cycle([c for _, c in ops]), device)
+        for fn in (dense, row, col):  # compile, fault in
+            fn()
+        active_bytes = k * cols * elem
+        rounds = []
+        for _ in range(repeats):
+            dense_s = _seconds(dense) / n_mats
+            bus_a = probe()
+            row_s = _seconds(row) / calls
+            bus_b = probe()
+            col_s = _seconds(col) / calls
+            bus_c = probe()
+            rounds.append(dict(dense_us=dense_s * 1e6, row_us=row_s * 1e6, col_us=col_s * 1e6,
+                               row_speedup=dense_s / row_s, col_speedup=dense_s / col_s,
+                               row_bus=active_bytes / row_s / ((bus_a + bus_b) / 2),
+                               col_bus=active_bytes / col_s / ((bus_b + bus_c) / 2),
+                               bus_gbs=(bus_a + bus_b + bus_c) / 3e9))
+        med = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
         sel_t = median_time(_synced(_cycle([lambda w=w, s=s: w.index_select(0, s) @ x_t for w, s in pairs]), device),
                             repeats) / calls
-        active_bytes = k * cols * elem
-        bus_before, bus = bus, probe()
-        results.append(dict(bus_gbs=(bus_before + bus) / 2e9, dtype=str(dtype).replace("torch.", ""), fraction=frac, k=k, dense_us=dense_t * 1e6,
-                            row_us=row_t * 1e6, col_us=col_t * 1e6, index_select_us=sel_t * 1e6,
-                            row_speedup=dense_t / row_t, col_speedup=dense_t / col_t,
-                            index_select_speedup=dense_t / sel_t, row_gbs=active_bytes / row_t / 1e9,
-                            col_gbs=active_bytes / col_t / 1e9, working_set_mb=n_mats * rows * cols * elem / 1e6))
+        results.append(dict(med, dtype=str(dtype).replace("torch.", ""), fraction=frac, k=k,
+                            index_select_us=sel_t * 1e6, index_select_speedup=med["dense_us"] / (sel_t * 1e6),
+                            row_gbs=active_bytes / med["row_us"] / 1e3, col_gbs=active_bytes / med["col_us"] / 1e3,
+                            working_set_mb=n_mats * rows * cols * elem / 1e6))
     return results
 
 
@@ -198,24 +226,27 @@ def run(args: argparse.Namespace) -> int:
         sparse._set_threads(args.threads)
     fractions = [float(f) for f in args.fractions.split(",")]
     results = []
-    for name in args.dtypes.split(","):
+    dtypes = args.dtypes.split(",")
+    for name in dtypes:
         if name not in DTYPES:
             raise BadArgumentError(f"unknown dtype {name!r}")
-        results += bench_dtype(parse_dtype(name), args.rows, args.cols, fractions, args.repeats, device,
-                               probe=lambda: device_read_bandwidth(device))
-    where = (f"{torch.cuda.get_device_name(device)}: device memory read (best of 10, 4 GiB)" if device.type == "cuda"
-             else f"threads {torch.get_num_threads()}: memory read bandwidth (median parallel read of 1 GiB)")
+    probe = bus_probe(device)
+    for name in dtypes:
+        results += bench_dtype(parse_dtype(name), args.rows, args.cols, fractions, args.repeats, device, probe=probe)
+    where = (f"{torch.cuda.get_device_name(device)}: device memory read (best of 3, 4 GiB)" if device.type == "cuda"
+             else f"threads {torch.get_num_threads()}: memory read (fastest of three parallel reads of 1 GiB)")
     buses = [r["bus_gbs"] for r in results]
-    print(f"\nshape {args.rows} x {args.cols}; {where}, probed before and after each row, the row's % against the "
-          f"mean: {min(buses):.1f}-{max(buses):.1f} GB/s; "
+    print(f"\nshape {args.rows} x {args.cols}; {where} before and after each sparse op's timing in each of "
+          f"{args.repeats} rounds; a cell is the median over rounds (speedups and % of the bus paired within a "
+          f"round): bus {min(buses):.1f}-{max(buses):.1f} GB/s; "
           f"{'L2' if device.type == 'cuda' else 'LLC'} {cache_bytes(device) >> 20} MiB\n")
-    print("| dtype | active | dense torch us | sparse row us | speedup | GB/s (% of mem) | sparse col AXPY us | "
-          "speedup | GB/s (% of mem) | index_select us | speedup |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| dtype | active | bus GB/s | dense torch us | sparse row us | speedup | GB/s (% of bus) | "
+          "sparse col AXPY us | speedup | GB/s (% of bus) | index_select us | speedup |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['dtype']} | {r['fraction']:.0%} | {r['dense_us']:.0f} | {r['row_us']:.0f} | {r['row_speedup']:.2f}x | "
-              f"{r['row_gbs']:.1f} ({r['row_gbs'] / r['bus_gbs']:.0%}) | {r['col_us']:.0f} | {r['col_speedup']:.2f}x | "
-              f"{r['col_gbs']:.1f} ({r['col_gbs'] / r['bus_gbs']:.0%}) | {r['index_select_us']:.0f} | "
+        print(f"| {r['dtype']} | {r['fraction']:.0%} | {r['bus_gbs']:.1f} | {r['dense_us']:.0f} | {r['row_us']:.0f} | "
+              f"{r['row_speedup']:.2f}x | {r['row_gbs']:.1f} ({r['row_bus']:.0%}) | {r['col_us']:.0f} | "
+              f"{r['col_speedup']:.2f}x | {r['col_gbs']:.1f} ({r['col_bus']:.0%}) | {r['index_select_us']:.0f} | "
               f"{r['index_select_speedup']:.2f}x |")
     print("\nworking set per dtype: " + ", ".join(sorted({f"{r['dtype']} {r['working_set_mb']:.0f} MB" for r in results})))
     path = args.plot if args.plot is not None else f"docs/bench_ops{'_cuda' if device.type == 'cuda' else ''}.png"

@@ -36,17 +36,60 @@ def last_level_cache_bytes() -> int:
     return best or 32 << 20
 
 
-def memory_read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7, statistic: str = "best") -> float:
-    """Bytes/s of parallel reads over a buffer far larger than the caches: the best of
-    `repeats` passes (default), or with statistic="median" their median, taking the fastest of
-    torch.sum, a numba prange sum, and the decode kernels' own matvec over the buffer read as
-    fp16 rows (four sequential streams per thread). On the 2-core dev machine the fp32 sums
-    alone read 28.6-30.7 GB/s while the fp16 matvec read 31.0 and the dense relu7b decode
-    31.4: a bound the engine beats is no bound. The bus there moves between phases (torch.sum
-    sustained 33 GB/s over a second in one minute, 50-54 in another): compare like with like,
-    a median probe with median timings, taken next to them."""
-    if statistic not in ("best", "median"):
-        raise ValueError(f"statistic must be 'best' or 'median', not {statistic!r}")
+class BusProbe:
+    """Parallel reads of a buffer far larger than the caches, by three methods: torch.sum,
+    a numba prange sum, and the decode kernels' own matvec over the buffer read as fp16 rows
+    (four sequential streams per thread). On the 2-core dev machine the fp32 sums alone read
+    28.6-30.7 GB/s while the fp16 matvec read 31.0 and the dense relu7b decode 31.4: a bound
+    the engine beats is no bound, so each pass takes the fastest method.
+
+    The buffer and the compiled sum are made once, so `read()` (one pass of each method,
+    ~0.1 s for 1 GiB) can run between the timings it is compared with: this machine's bus
+    moves between phases (torch.sum sustained 33 GB/s over a second in one minute, 50-54 in
+    another), so a probe taken seconds away from a timing can belong to another phase."""
+
+    def __init__(self, n_bytes: int = 1 << 30):
+        import numpy as np
+
+        from ..ops import cpu
+        from ..ops.memory import on_huge_pages
+
+        buf = on_huge_pages(torch.ones(n_bytes // 4, dtype=torch.float32))  # as the weights are
+        arr = buf.numpy()
+        bits = arr.view(np.int16)
+        # The matvec reads four streams a quarter of the rows apart; with 2^17 rows of 8 KiB
+        # they sit exactly 256 MiB apart and the read runs at half speed (likely DRAM bank
+        # conflicts: 1 GiB of fp16 rows, 131072 rows 15-17 GB/s, 131068 rows 28-31, same run),
+        # so the probe drops a few rows. The 7B shape's matrices (wo, QKV, gate/up, down)
+        # showed no such loss against padded copies.
+        halves = bits[: (bits.shape[0] // 4096 - 4) * 4096].reshape(-1, 4096)  # the same bytes as fp16 rows
+        v, y = np.ones(4096, dtype=np.float32), np.zeros(halves.shape[0], dtype=np.float32)
+        total = _parallel_sum()
+        self._buf = buf
+        self.methods: list[tuple[Callable[[], object], int]] = [
+            (lambda: buf.sum(), arr.nbytes), (lambda: total(arr), arr.nbytes),
+            (lambda: cpu.add_matvec(halves, v, cpu.NO_BIAS, y), halves.nbytes)]
+        for fn, _ in self.methods:  # compile and fault the pages in
+            fn()
+
+    def passes(self, repeats: int) -> list[list[float]]:
+        """Bytes/s of `repeats` passes, per method."""
+        rates = []
+        for fn, size in self.methods:
+            runs = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                runs.append(size / (time.perf_counter() - t0))
+            rates.append(runs)
+        return rates
+
+    def read(self) -> float:
+        """Bytes/s of one pass of each method, the fastest."""
+        return max(r[0] for r in self.passes(1))
+
+
+def _parallel_sum():
     import numba
     import numpy as np
 
@@ -56,32 +99,18 @@ def memory_read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7, statistic: s
         for i in numba.prange(a.shape[0]):
             s += a[i]
         return s
+    return total
 
-    from ..ops import cpu
-    from ..ops.memory import on_huge_pages
 
-    buf = on_huge_pages(torch.ones(n_bytes // 4, dtype=torch.float32))  # as the weights are
-    arr = buf.numpy()
-    bits = arr.view(np.int16)
-    # The matvec reads four streams a quarter of the rows apart; with 2^17 rows of 8 KiB
-    # they sit exactly 256 MiB apart and the read runs at half speed (likely DRAM bank conflicts:
-    # 1 GiB of fp16 rows, 131072 rows 15-17 GB/s, 131068 rows 28-31, same run), so the probe drops
-    # a few rows. The 7B shape's matrices (wo, QKV, gate/up, down) showed no such loss against
-    # padded copies.
-    halves = bits[: (bits.shape[0] // 4096 - 4) * 4096].reshape(-1, 4096)  # the same bytes as fp16 rows
-    v, y = np.ones(4096, dtype=np.float32), np.zeros(halves.shape[0], dtype=np.float32)
-    pick = min if statistic == "best" else statistics.median
-    best = float("inf")  # seconds per byte, of the fastest method
-    for fn, size in ((lambda: buf.sum(), arr.nbytes), (lambda: total(arr), arr.nbytes),
-                     (lambda: cpu.add_matvec(halves, v, cpu.NO_BIAS, y), halves.nbytes)):
-        fn()
-        passes = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            passes.append((time.perf_counter() - t0) / size)
-        best = min(best, pick(passes))
-    return 1.0 / best
+def memory_read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7, statistic: str = "best") -> float:
+    """Bytes/s of BusProbe's fastest method: the best of `repeats` passes (default), or with
+    statistic="median" their median. The bus drifts between phases: compare like with like,
+    a median probe with median timings, taken next to them (bench ops uses BusProbe.read
+    between its timings)."""
+    if statistic not in ("best", "median"):
+        raise ValueError(f"statistic must be 'best' or 'median', not {statistic!r}")
+    pick = max if statistic == "best" else statistics.median
+    return max(pick(runs) for runs in BusProbe(n_bytes).passes(repeats))
 
 
 def decode_round(model, ids: list[int], n: int) -> tuple[float, float]:

@@ -19,3 +19,10 @@ class ContextLengthError(PowerInferError):
 
 class BadArgumentError(PowerInferError):
     """A flag or parameter has a value we cannot honour."""
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise BadArgumentError(message) unless `ok` (for flag checks written as conditions
+    that NaN fails, e.g. `0 < f <= 1`)."""
+    if not ok:
+        raise BadArgumentError(message)

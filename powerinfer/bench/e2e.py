@@ -52,16 +52,20 @@ def grouped_prompts(tokenizer, per_group: int) -> dict[str, list[list[int]]]:
 
 def run(args: argparse.Namespace) -> int:
     from ..engine.packed import load_packed
-    from ..errors import BadArgumentError
+    from ..errors import BadArgumentError, require
     from ..loader import DTYPES, load
     from ..offline.prepare import PrepareSettings, prepare
     from .timing import decode_round, load_transformers, transformers_round
 
-    outputs = [int(x) for x in args.outputs.split(",") if x.strip()]
+    try:
+        outputs = [int(x) for x in args.outputs.split(",") if x.strip()]
+    except ValueError:
+        raise BadArgumentError(f"--outputs {args.outputs!r}: give whole numbers, comma-separated") from None
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = set(engines) - {"dense", "sparse", "oracle", "transformers"}
-    if unknown or not outputs or args.per_group < 1 or args.rounds < 1:
+    if unknown or not outputs or min(outputs) < 1 or args.per_group < 1 or args.rounds < 1:
         raise BadArgumentError(f"bad --engines/--outputs/--per-group/--rounds ({', '.join(sorted(unknown))})")
+    require(args.threads >= 1 and args.quality_prompts >= 0, "--threads must be >= 1 and --quality-prompts >= 0")
     torch.set_num_threads(args.threads)
     packed_dir = prepare(args.model, PrepareSettings())
     dense = load(args.model, dtype=args.dtype, threads=args.threads)

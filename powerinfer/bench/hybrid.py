@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import BadArgumentError
     from ..offline.solve import mandatory_gpu_bytes
 
+    relu7b.check_planted_args(args)
     if not 0 < args.vram_fraction < 1:
         raise BadArgumentError("--vram-fraction must be between 0 and 1 (the model does not fit, by design)")
     torch.set_num_threads(args.threads)

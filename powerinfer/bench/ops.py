@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import BadArgumentError
+from ..errors import BadArgumentError, require
 from ..loader import DTYPES, parse_dtype
 from ..ops import gpu, sparse, sparse_cpu
 from ..ops.memory import on_huge_pages
@@ -219,12 +219,25 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def parse_fractions(text: str) -> list[float]:
+    """--fractions: comma-separated active fractions, each in (0, 1]."""
+    try:
+        fractions = [float(f) for f in text.split(",")]
+    except ValueError:
+        raise BadArgumentError(f"--fractions {text!r}: give numbers in (0, 1], comma-separated") from None
+    require(all(0 < f <= 1 for f in fractions), f"--fractions {text!r}: each must be in (0, 1]")
+    return fractions
+
+
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
+    require(args.rows >= 1 and args.cols >= 1, "--rows and --cols must be >= 1")
+    require(args.repeats >= 1, "--repeats must be >= 1")
+    require(args.threads is None or args.threads >= 1, "--threads must be >= 1")
+    fractions = parse_fractions(args.fractions)
     if args.threads:
         torch.set_num_threads(args.threads)
         sparse._set_threads(args.threads)
-    fractions = [float(f) for f in args.fractions.split(",")]
     results = []
     dtypes = args.dtypes.split(",")
     for name in dtypes:

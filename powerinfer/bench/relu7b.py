@@ -72,6 +72,18 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=RELULLAMA_7B.heads, help="attention heads (default 32)")
 
 
+def check_planted_args(args: argparse.Namespace) -> None:
+    """The flags of the planted-model benchmarks (relu7b, hybrid), checked before minutes
+    of writing and packing."""
+    from ..errors import require
+
+    require(args.layers >= 1, "--layers must be >= 1")
+    require(0 <= args.sparsity < 1, "--sparsity must be in [0, 1) (the mean share of inactive neurons)")
+    require(args.tokens >= 1 and args.rounds >= 1, "--tokens and --rounds must be >= 1")
+    require(args.rank >= 1, "--rank must be >= 1")
+    require(args.threads >= 1, "--threads must be >= 1")
+
+
 def shape_of(args: argparse.Namespace) -> Shape:
     from ..errors import BadArgumentError
 
@@ -255,7 +267,11 @@ def planted_model(args: argparse.Namespace, shape: Shape, root: str, place=None,
     gguf_path = os.path.join(root, gguf_name(args.layers, shape))
     if not os.path.isfile(gguf_path):
         print(f"writing {gguf_path}", file=sys.stderr)
-        write_gguf(gguf_path, args.layers, src=src, shape=shape)
+        # under a temporary name until complete: an interrupted write must not leave a
+        # truncated file that the next run would take for the model
+        partial = gguf_path + ".partial"
+        write_gguf(partial, args.layers, src=src, shape=shape)
+        os.replace(partial, gguf_path)
     model_hash = content_hash(gguf_path)
     dense = load(gguf_path, dtype=args.dtype, threads=args.threads, with_tokenizer=False)
     profile = synthetic_profile(args.layers, shape.n_ff, sparsity=args.sparsity)
@@ -277,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
     from ..ops.memory import huge_page_share
     from .timing import memory_read_bandwidth
 
+    check_planted_args(args)
     torch.set_num_threads(args.threads)
     shape = shape_of(args)
     D, N_FF, _ = shape

@@ -41,6 +41,10 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags, checked before anything is loaded (chat would otherwise meet a
+    bad value only at its first message)."""
+    if args.max_tokens < 0:
+        raise BadArgumentError("max_tokens must be >= 0")
     return SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty,
                           args.seed).validate()
 

@@ -41,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
         raise BadArgumentError("--recall must be in (0, 1)")
     if args.target_sparsity is not None and not 0 <= args.target_sparsity < 1:
         raise BadArgumentError("--target-sparsity must be in [0, 1)")
+    if not 0 <= args.max_ppl_increase < float("inf"):  # NaN too
+        raise BadArgumentError("--max-ppl-increase must be a finite number >= 0")
     set_threads(args.threads)
     budget = parse_size(args.vram_budget) if args.vram_budget is not None else None
     s = PrepareSettings(hardware=args.hardware, vram_budget=budget, dtype=args.dtype, dataset=args.dataset,

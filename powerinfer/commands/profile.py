@@ -105,9 +105,17 @@ def run(args: argparse.Namespace) -> int:
         raise BadArgumentError("need --prompts >= 1, --heldout >= 0 and --max-tokens >= 2")
     if args.target_sparsity is not None and not 0 <= args.target_sparsity < 1:
         raise BadArgumentError("--target-sparsity must be in [0, 1)")
-    if args.max_ppl_increase is not None and args.max_ppl_increase < 0:
-        raise BadArgumentError("--max-ppl-increase must be >= 0")
-    evals = tuple(float(s) for s in args.eval_sparsities.split(",") if s.strip())
+    if args.max_ppl_increase is not None and not 0 <= args.max_ppl_increase < float("inf"):  # NaN too
+        raise BadArgumentError("--max-ppl-increase must be a finite number >= 0")
+    if args.sample_tokens < 0 or args.seed < 0:
+        raise BadArgumentError("--sample-tokens and --seed must be >= 0")
+    try:
+        evals = tuple(float(s) for s in args.eval_sparsities.split(",") if s.strip())
+    except ValueError:
+        raise BadArgumentError(f"--eval-sparsities {args.eval_sparsities!r}: give numbers in [0, 1), "
+                               "comma-separated") from None
+    if not all(0 <= e < 1 for e in evals):
+        raise BadArgumentError(f"--eval-sparsities {args.eval_sparsities!r}: each must be in [0, 1)")
     from ..offline.profile import ProfileSettings, is_relu_family
 
     if args.output:
@@ -138,6 +146,8 @@ def run_synthetic(args: argparse.Namespace) -> int:
     from ..offline.synthetic import synthetic_profile
 
     layers, ffn, model_info = args.layers, args.ffn, {}
+    if (layers is not None and layers < 1) or (ffn is not None and ffn < 1) or args.seed < 0:
+        raise BadArgumentError("--layers and --ffn must be >= 1, --seed >= 0")
     if layers is None or ffn is None:
         from ..loader import read_model, resolve_model_path
         from ..paths import content_hash

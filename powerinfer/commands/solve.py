@@ -49,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
     from ..offline.solve import build_problem, explain, greedy, placement_document, solve, solve_auto
     from ..offline.stats import Profile
 
+    if args.group_size < 1 or args.context < 1 or args.predictor_rank < 0:
+        raise BadArgumentError("need --group-size >= 1, --context >= 1 and --predictor-rank >= 0")
+    if not 0 < args.time_limit < float("inf"):  # NaN too
+        raise BadArgumentError("--time-limit must be a finite number of seconds > 0")
     hw = load_hardware(args.hardware)
     model_hash = None
     if args.shape:

@@ -48,8 +48,13 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.recall < 1:
         raise BadArgumentError("--recall must be in (0, 1)")
-    if args.magnitude_power <= 0 or args.magnitude_cap < 1:
-        raise BadArgumentError("--magnitude-power must be > 0 and --magnitude-cap >= 1")
+    # conditions written so that NaN fails them
+    if not (0 < args.magnitude_power < float("inf") and args.magnitude_cap >= 1):
+        raise BadArgumentError("--magnitude-power must be a finite number > 0 and --magnitude-cap >= 1")
+    if not (0 <= args.recall_margin < 1 and 0 <= args.tolerance < 1):
+        raise BadArgumentError("--recall-margin and --tolerance must be in [0, 1)")
+    if args.epochs < 1 or args.seed < 0 or args.eval_prompts < 1 or args.gen_tokens < 1:
+        raise BadArgumentError("need --epochs, --eval-prompts and --gen-tokens >= 1 and --seed >= 0")
     if not 0 <= args.mass_recall <= 1 or not 0 <= args.max_forced <= 1:
         raise BadArgumentError("--mass-recall and --max-forced must be in [0, 1]")
     if not 0 < args.budget <= 1:

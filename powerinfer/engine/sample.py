@@ -23,16 +23,17 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self) -> "SamplingParams":
-        if self.temperature < 0:
-            raise BadArgumentError("temperature must be >= 0")
+        # Written so that NaN fails every check (NaN compares false), not just negatives.
+        if not 0 <= self.temperature < float("inf"):
+            raise BadArgumentError("temperature must be a finite number >= 0")
         if self.top_k < 0:
             raise BadArgumentError("top_k must be >= 0")
         if not 0 < self.top_p <= 1:
             raise BadArgumentError("top_p must be in (0, 1]")
         if not 0 <= self.min_p <= 1:
             raise BadArgumentError("min_p must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            raise BadArgumentError("repetition_penalty must be > 0")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise BadArgumentError("repetition_penalty must be a finite number > 0")
         return self
 
 

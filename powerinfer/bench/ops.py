@@ -29,6 +29,7 @@ from ..loader import DTYPES, parse_dtype
 from ..ops import gpu, sparse, sparse_cpu
 from ..ops.memory import on_huge_pages
 from ..ops.numba_half import numpy_weights
+from ..paths import check_output_file
 from .timing import BusProbe, last_level_cache_bytes, median_time
 
 FRACTIONS = (0.05, 0.10, 0.20, 0.30, 1.00)
@@ -44,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--device", default="cpu", help="cpu (numba kernels, default) or cuda (the GPU tier's ops)")
     p.add_argument("--plot", default=None,
-                   help="PNG to write ('' = none; default docs/bench_ops.png, docs/bench_ops_cuda.png for cuda)")
+                   help="PNG to write ('' = none; default bench_ops.png, bench_ops_cuda.png for cuda)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --plot file")
 
 
 def _cycle(fns):
@@ -235,6 +237,9 @@ def run(args: argparse.Namespace) -> int:
     require(args.repeats >= 1, "--repeats must be >= 1")
     require(args.threads is None or args.threads >= 1, "--threads must be >= 1")
     fractions = parse_fractions(args.fractions)
+    path = args.plot if args.plot is not None else f"bench_ops{'_cuda' if device.type == 'cuda' else ''}.png"
+    if path:
+        check_output_file(path, args.force, "--plot")
     if args.threads:
         torch.set_num_threads(args.threads)
         sparse._set_threads(args.threads)
@@ -262,7 +267,6 @@ def run(args: argparse.Namespace) -> int:
               f"{r['col_speedup']:.2f}x | {r['col_gbs']:.1f} ({r['col_bus']:.0%}) | {r['index_select_us']:.0f} | "
               f"{r['index_select_speedup']:.2f}x |")
     print("\nworking set per dtype: " + ", ".join(sorted({f"{r['dtype']} {r['working_set_mb']:.0f} MB" for r in results})))
-    path = args.plot if args.plot is not None else f"docs/bench_ops{'_cuda' if device.type == 'cuda' else ''}.png"
     if path:
         plot(results, path, f"Sparse FFN operators, {args.rows} x {args.cols}" + (", CUDA" if device.type == "cuda" else ""))
         print(f"plot: {path}")

@@ -63,6 +63,36 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
     return float(v)
 
 
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def chat_messages(messages: object) -> list[dict[str, str]]:
+    """The request's messages as {role, content} strings for the chat template. Content may
+    be a string or a list of text parts ({"type": "text", "text": ...}, as newer OpenAI
+    clients send); "developer" is the newer name of "system"."""
+    shape = ("'messages' must be a non-empty list of {role, content} objects, content a string or a list of "
+             "text parts")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, shape, code="invalid_type")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise APIError(400, shape, code="invalid_type")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise APIError(400, f"messages[{i}]: role must be one of {', '.join(ROLES)}, got {role!r}",
+                           code="invalid_value")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise APIError(400, f"messages[{i}]: only text content parts are supported", code="invalid_value")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise APIError(400, shape, code="invalid_type")
+        out.append({"role": ROLES[role], "content": content})
+    return out
+
+
 class Server:
     """The engine behind the API: admission (slots + queue) and generation threads."""
 
@@ -115,14 +145,9 @@ class Server:
             raise APIError(400, "'stream' must be a boolean", code="invalid_type")
         tok = self.lm.tokenizer
         if chat:
-            messages = body.get("messages")
-            if (not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages)):
-                raise APIError(400, "'messages' must be a non-empty list of {role, content} objects with string "
-                                    "content", code="invalid_type")
+            messages = chat_messages(body.get("messages"))
             try:
-                ids = tok.encode_chat([{"role": m["role"], "content": m["content"]} for m in messages])
+                ids = tok.encode_chat(messages)
             except PowerInferError as e:
                 raise APIError(400, str(e)) from None
         else:

@@ -156,6 +156,9 @@ def test_disconnect_cancels_and_frees_the_slot(server):
     ({"model": NAME, "prompt": 42}, 400, "prompt"),
     ({"model": NAME, "prompt": "word " * 2100}, 400, "context is 2048 tokens"),
     ({"model": NAME, "messages": "hi"}, 400, "messages"),
+    ({"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role must be one of"),
+    ({"model": NAME, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "only text content parts"),
 ])
 def test_bad_requests_get_openai_shaped_errors(server, body, status, fragment):
     path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
@@ -164,6 +167,22 @@ def test_bad_requests_get_openai_shaped_errors(server, body, status, fragment):
     assert r.status_code == status
     err = r.json()["error"]
     assert fragment in err["message"] and {"message", "type", "code"} <= set(err)
+
+
+def test_text_parts_developer_role_and_any_seed(server):
+    """Newer OpenAI clients send content as text parts and "developer" for "system"; a seed
+    is any integer (it used to fail with a 500 beyond 64 bits)."""
+    c = client(server)
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "Hi there"}]}]
+    a, b = (c.chat.completions.create(model=NAME, messages=m, max_tokens=8, temperature=0).choices[0].message.content
+            for m in (plain, parts))
+    assert a == b and a
+    big = 10**30
+    x, y = (c.completions.create(model=NAME, prompt="Hello", max_tokens=6, temperature=1, seed=big).choices[0].text
+            for _ in range(2))
+    assert x == y  # seeded: the same text twice
 
 
 def long_prompt(base) -> str:

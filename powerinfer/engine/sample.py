@@ -43,7 +43,7 @@ class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params.validate()
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed % 2**64)  # any int: torch takes 64 bits
 
     def __call__(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> int:
         p = self.params

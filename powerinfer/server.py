@@ -63,6 +63,24 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
     return float(v)
 
 
+def prompt_ids(prompt: object, tok, vocab_size: int) -> list[int]:
+    """The completion prompt's token ids. OpenAI's API takes a string or token ids, or a
+    list of several prompts (one completion each), of which one is served here."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return tok.encode(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"'prompt' token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})",
+                           code="invalid_value")
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise APIError(400, "only one prompt per request is supported", code="unsupported_value")
+    raise APIError(400, "'prompt' must be a string or a list of token ids", code="invalid_type")
+
+
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -151,10 +169,7 @@ class Server:
             except PowerInferError as e:
                 raise APIError(400, str(e)) from None
         else:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str):
-                raise APIError(400, "'prompt' must be a string", code="invalid_type")
-            ids = tok.encode(prompt)
+            ids = prompt_ids(body.get("prompt"), tok, self.lm.args.vocab_size)
         limit = self.lm.args.max_seq_len
         if not ids:
             raise APIError(400, "the prompt is empty", code="invalid_value")

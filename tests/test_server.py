@@ -154,6 +154,8 @@ def test_disconnect_cancels_and_frees_the_slot(server):
     ({"model": NAME, "prompt": "x", "n": 2}, 400, "n=1"),
     ({"model": NAME, "prompt": "x", "logprobs": 3}, 400, "unsupported parameter"),
     ({"model": NAME, "prompt": 42}, 400, "prompt"),
+    ({"model": NAME, "prompt": [5, 10**9]}, 400, "outside the vocabulary"),
+    ({"model": NAME, "prompt": ["a", "b"]}, 400, "only one prompt"),
     ({"model": NAME, "prompt": "word " * 2100}, 400, "context is 2048 tokens"),
     ({"model": NAME, "messages": "hi"}, 400, "messages"),
     ({"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role must be one of"),
@@ -183,6 +185,16 @@ def test_text_parts_developer_role_and_any_seed(server):
     x, y = (c.completions.create(model=NAME, prompt="Hello", max_tokens=6, temperature=1, seed=big).choices[0].text
             for _ in range(2))
     assert x == y  # seeded: the same text twice
+
+
+def test_prompt_as_token_ids_or_a_batch_of_one(server, model_dir):
+    from powerinfer.tokenizer import load_tokenizer
+
+    ids = load_tokenizer(str(model_dir)).encode("Hello there")
+    c = client(server)
+    texts = [c.completions.create(model=NAME, prompt=p, max_tokens=6, temperature=0).choices[0].text
+             for p in ("Hello there", ids, ["Hello there"], [ids])]
+    assert texts[0] and texts == [texts[0]] * 4
 
 
 def long_prompt(base) -> str:

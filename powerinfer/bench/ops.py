@@ -77,10 +77,13 @@ def cache_bytes(device: torch.device) -> int:
 def bus_probe(device: torch.device) -> Callable[[], float]:
     """A quick read of the device's memory bus (bytes/s), cheap enough to take between the
     timings it is compared with: the CPU's BusProbe (one pass of each method over 1 GiB),
-    or on CUDA the best of three full reductions of a 4 GiB device buffer."""
+    or on CUDA the best of three full reductions of a device buffer of 4 GiB, or a quarter
+    of the free memory on a smaller GPU (at least 8x its L2, so the cache cannot serve it)."""
     if device.type != "cuda":
         return BusProbe().read
-    buf = torch.ones(2 << 30, dtype=torch.float16, device=device)
+    free, _ = torch.cuda.mem_get_info(device)
+    n_bytes = max(8 * cache_bytes(device), min(4 << 30, free // 4))
+    buf = torch.ones(n_bytes // 2, dtype=torch.float16, device=device)
 
     def read() -> float:
         best = float("inf")
@@ -251,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     probe = bus_probe(device)
     for name in dtypes:
         results += bench_dtype(parse_dtype(name), args.rows, args.cols, fractions, args.repeats, device, probe=probe)
-    where = (f"{torch.cuda.get_device_name(device)}: device memory read (best of 3, 4 GiB)" if device.type == "cuda"
+    where = (f"{torch.cuda.get_device_name(device)}: device memory read (best of 3)" if device.type == "cuda"
              else f"threads {torch.get_num_threads()}: memory read (fastest of three parallel reads of 1 GiB)")
     buses = [r["bus_gbs"] for r in results]
     print(f"\nshape {args.rows} x {args.cols}; {where} before and after each sparse op's timing in each of "

@@ -70,6 +70,16 @@ def test_bad_flags(chat_model_dir, flags, fragment):
     assert_clean_error(run_cli("generate", "-m", str(chat_model_dir), "-p", "hi", *flags), fragment)
 
 
+def test_chat_survives_a_message_longer_than_the_context(chat_model_dir):
+    """The context error is reported and the session goes on (it used to end the program)."""
+    flags = ("-n", "6", "--temperature", "1", "--seed", "3")  # sampled: visible text from the random model
+    r = run_cli("chat", "-m", str(chat_model_dir), *flags, stdin="word " * 100 + "\nHi there\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert "context is 64 tokens" in r.stderr and "/reset" in r.stderr
+    solo = run_cli("chat", "-m", str(chat_model_dir), *flags, stdin="Hi there\n/exit\n")
+    assert r.stdout == solo.stdout and r.stdout.strip()  # the refused message left no trace
+
+
 def test_chat_checks_its_flags_before_the_first_message(chat_model_dir):
     assert_clean_error(run_cli("chat", "-m", str(chat_model_dir), "-n", "-1", stdin=""), "max_tokens")
     assert_clean_error(run_cli("chat", "-m", str(chat_model_dir), "--top-p", "nan", stdin=""), "top_p")

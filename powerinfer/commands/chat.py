@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from ..engine.generate import stream_generate
-from ..errors import BadArgumentError
+from ..errors import BadArgumentError, ContextLengthError
 from .common import add_engine_arguments, add_model_arguments, add_sampling_arguments, load_from_args, sampling_params
 
 
@@ -44,10 +44,17 @@ def run(args: argparse.Namespace) -> int:
             continue
         messages.append({"role": "user", "content": text})
         reply = []
-        for r in stream_generate(lm.model, tok, tok.encode_chat(messages), args.max_tokens, sampling, args.stop):
-            sys.stdout.write(r.text)
-            sys.stdout.flush()
-            reply.append(r.text)
+        try:
+            for r in stream_generate(lm.model, tok, tok.encode_chat(messages), args.max_tokens, sampling, args.stop):
+                sys.stdout.write(r.text)
+                sys.stdout.flush()
+                reply.append(r.text)
+        except ContextLengthError as e:
+            # the conversation outgrew the context: say so and keep the session (and what
+            # was said so far) instead of ending the program
+            messages.pop()
+            print(f"powerinfer: {e}; /reset starts a new conversation", file=sys.stderr)
+            continue
         sys.stdout.write("\n")
         sys.stdout.flush()
         messages.append({"role": "assistant", "content": "".join(reply)})

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from cli_helpers import run_cli
+from cli_helpers import assert_clean_error, run_cli
 from tiny_models import build_tokenized_llama
 
 NAME = "tiny"
@@ -243,3 +243,12 @@ def test_api_key_is_required(model_dir):
         assert httpx.get(base + "/health").status_code == 200
     finally:
         stop_server(proc)
+
+
+def test_a_busy_port_fails_at_once_with_one_line():
+    """Checked before the model loads (uvicorn reported it after loading, with exit 3)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert_clean_error(run_cli("serve", "--port", str(port), "-m", "/no/such/model"), "cannot listen")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 
 from ..errors import BadArgumentError
@@ -29,10 +30,29 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_concurrency < 1 or args.queue_size < 0 or not 0 < args.port < 65536:
         raise BadArgumentError("need --max-concurrency >= 1, --queue-size >= 0 and a port in 1..65535")
+    sock = bind_socket(args.host, args.port)  # before loading: a busy port fails in a second, not after
     lm = load_from_args(args)
     warm_up(lm.model)  # so that the first request does not pay for loading the kernels
     name = args.model_name or os.path.basename(lm.path.rstrip("/"))
     server = Server(lm, name, args.max_concurrency, args.queue_size, args.api_key)
     print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning")).run(sockets=[sock])
     return 0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket on (host, port), or a one-line error when the address is
+    unknown or taken (uvicorn would report it only after the model had loaded, exit 3)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise BadArgumentError(f"--host {host!r}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise BadArgumentError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock

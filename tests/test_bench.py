@@ -41,3 +41,12 @@ def test_bench_hybrid_refuses_budgets_and_hardware_without_a_gpu(tmp_path):
                        "before any neuron")
     assert not (tmp_path / "x").exists()  # refused before anything was written
     assert_clean_error(run_cli("bench", "hybrid", "--d-model", "250", "--heads", "4"), "even size")
+
+
+def test_bench_relu7b_without_dir_leaves_nothing_behind(tmp_path, monkeypatch):
+    """Without --dir the planted model (~14 GB at the default shape) goes to a temporary
+    folder that is removed at the end, not left in /tmp run after run."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    r = run_cli("bench", "relu7b", *SMALL, "--tokens", "4", "--rounds", "1", "-t", "2")
+    assert r.returncode == 0, r.stderr
+    assert "sparse" in r.stdout and list(tmp_path.iterdir()) == []

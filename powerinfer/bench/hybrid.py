@@ -25,7 +25,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 
 import torch
 from tqdm import tqdm
@@ -133,52 +132,52 @@ def run(args: argparse.Namespace) -> int:
         raise BadArgumentError(f"--vram-fraction {args.vram_fraction} gives {budget / 2**20:.0f} MiB, less than the "
                                f"{need / 2**20:.0f} MiB the GPU must hold before any neuron (runtime buffers, "
                                "predictors); raise it")
-    root = args.dir or tempfile.mkdtemp(prefix="hybrid-")
-    os.makedirs(root, exist_ok=True)
-    place = placer(mshape, hw, budget, args.rank, os.path.join(root, "placement.json"))
-    _, packed_dir, _ = relu7b.planted_model(args, shape, root, place, src)
+    with relu7b.work_dir(args.dir, "hybrid-") as root:
+        place = placer(mshape, hw, budget, args.rank, os.path.join(root, "placement.json"))
+        _, packed_dir, _ = relu7b.planted_model(args, shape, root, place, src)
 
-    def load(mode: str):
-        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        model = load_packed(packed_dir, mode=mode, dtype=args.dtype, threads=args.threads, gpu_device=str(device),
-                            with_tokenizer=False, predictor_bypass=None).model
-        used = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else None
-        return model, used
+        def load(mode: str):
+            before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            model = load_packed(packed_dir, mode=mode, dtype=args.dtype, threads=args.threads, gpu_device=str(device),
+                                with_tokenizer=False, predictor_bypass=None).model
+            used = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else None
+            return model, used
 
-    hybrid, hybrid_alloc = load("sparse")
-    calibrated = relu7b.calibrate_active_share(hybrid, 1 - args.sparsity, n=args.tokens)
-    offload, offload_alloc = load("offload")
-    relu7b.decode_speed(offload, 2), relu7b.decode_speed(hybrid, 2)  # warm-up
-    speeds: dict[str, list[float]] = {"offload": [], "hybrid": []}
-    shares, active = [], []
-    half = max(1, args.tokens // 2)
-    for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
-        # offload, hybrid, offload (half the tokens each): drift within a round weighs on both
-        before = relu7b.decode_speed(offload, half)
-        hybrid.ffn_stats.reset()
-        speeds["hybrid"].append(relu7b.decode_speed(hybrid, args.tokens))
-        shares.append(hybrid.ffn_stats.gpu_share)
-        active.append(hybrid.ffn_stats.active_fraction)
-        speeds["offload"].append(statistics.harmonic_mean([before, relu7b.decode_speed(offload, half)]))
-    manifest = hybrid.packed["manifest"]["placement"]
-    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
-             else "no CUDA device: the GPU tier is CPU tensors, so these speeds say nothing about a GPU")
-    print(f"\nplanted d {shape.d}, {shape.n_ff} neurons, {args.layers} layers, {args.dtype}; {where}; cost model "
-          f"{hw.name}; budget {format_size(budget)} = {args.vram_fraction:.0%} of {format_size(weights)}; "
-          f"{args.threads} CPU threads; {statistics.mean(active):.3f} of FFN neurons computed per token (calibrated to "
-          f"{calibrated:.3f}); median of {args.rounds} rounds x {args.tokens} tokens\n")
-    print("| engine | decode tok/s | GPU tier weights | on the GPU | placement |\n|---|---|---|---|---|")
-    for name, model, alloc, what in (
-            ("offload", offload, offload_alloc,
-             f"{manifest['offload_gpu_layers']} whole layers, LM head {'GPU' if manifest['offload_head_on_gpu'] else 'CPU'}"),
-            ("hybrid", hybrid, hybrid_alloc,
-             f"{manifest['gpu_neurons']} hot neurons, dense parts {'GPU' if manifest['dense_on_gpu'] else 'CPU'}; "
-             f"GPU share of neuron load {statistics.median(shares):.2f}")):
-        on_gpu = "n/a" if alloc is None else format_size(alloc)
-        print(f"| {name} | {statistics.median(speeds[name]):.2f} | {format_size(gpu_tier_bytes(model))} | "
-              f"{on_gpu} | {what} |")
-    ratios = [h / o for o, h in zip(speeds["offload"], speeds["hybrid"])]
-    print(f"\nhybrid / offload: {statistics.median(ratios):.2f}x per round median ({min(ratios):.2f}-{max(ratios):.2f}x); "
-          f"solver predicted {manifest['predicted_tokens_per_s'] or float('nan'):.1f} tok/s for the hybrid placement; "
-          f"packed model: {packed_dir}", file=sys.stdout)
-    return 0
+        hybrid, hybrid_alloc = load("sparse")
+        calibrated = relu7b.calibrate_active_share(hybrid, 1 - args.sparsity, n=args.tokens)
+        offload, offload_alloc = load("offload")
+        relu7b.decode_speed(offload, 2), relu7b.decode_speed(hybrid, 2)  # warm-up
+        speeds: dict[str, list[float]] = {"offload": [], "hybrid": []}
+        shares, active = [], []
+        half = max(1, args.tokens // 2)
+        for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
+            # offload, hybrid, offload (half the tokens each): drift within a round weighs on both
+            before = relu7b.decode_speed(offload, half)
+            hybrid.ffn_stats.reset()
+            speeds["hybrid"].append(relu7b.decode_speed(hybrid, args.tokens))
+            shares.append(hybrid.ffn_stats.gpu_share)
+            active.append(hybrid.ffn_stats.active_fraction)
+            speeds["offload"].append(statistics.harmonic_mean([before, relu7b.decode_speed(offload, half)]))
+        manifest = hybrid.packed["manifest"]["placement"]
+        where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+                 else "no CUDA device: the GPU tier is CPU tensors, so these speeds say nothing about a GPU")
+        print(f"\nplanted d {shape.d}, {shape.n_ff} neurons, {args.layers} layers, {args.dtype}; {where}; cost model "
+              f"{hw.name}; budget {format_size(budget)} = {args.vram_fraction:.0%} of {format_size(weights)}; "
+              f"{args.threads} CPU threads; {statistics.mean(active):.3f} of FFN neurons computed per token (calibrated to "
+              f"{calibrated:.3f}); median of {args.rounds} rounds x {args.tokens} tokens\n")
+        print("| engine | decode tok/s | GPU tier weights | on the GPU | placement |\n|---|---|---|---|---|")
+        for name, model, alloc, what in (
+                ("offload", offload, offload_alloc,
+                 f"{manifest['offload_gpu_layers']} whole layers, LM head {'GPU' if manifest['offload_head_on_gpu'] else 'CPU'}"),
+                ("hybrid", hybrid, hybrid_alloc,
+                 f"{manifest['gpu_neurons']} hot neurons, dense parts {'GPU' if manifest['dense_on_gpu'] else 'CPU'}; "
+                 f"GPU share of neuron load {statistics.median(shares):.2f}")):
+            on_gpu = "n/a" if alloc is None else format_size(alloc)
+            print(f"| {name} | {statistics.median(speeds[name]):.2f} | {format_size(gpu_tier_bytes(model))} | "
+                  f"{on_gpu} | {what} |")
+        ratios = [h / o for o, h in zip(speeds["offload"], speeds["hybrid"])]
+        print(f"\nhybrid / offload: {statistics.median(ratios):.2f}x per round median ({min(ratios):.2f}-{max(ratios):.2f}x); "
+              f"solver predicted {manifest['predicted_tokens_per_s'] or float('nan'):.1f} tok/s for the hybrid placement; "
+              + (f"packed model: {packed_dir}" if args.dir else "the planted model's files are removed (--dir keeps them)"),
+              file=sys.stdout)
+        return 0

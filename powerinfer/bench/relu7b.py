@@ -28,12 +28,14 @@ and the active neurons' gate, up and down rows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
+import shutil
 import statistics
 import sys
 import tempfile
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -287,6 +289,22 @@ def planted_model(args: argparse.Namespace, shape: Shape, root: str, place=None,
     return gguf_path, packed_dir, preds
 
 
+@contextlib.contextmanager
+def work_dir(path: str | None, prefix: str) -> Iterator[str]:
+    """`path` (created, kept for the next run to reuse), or a temporary folder removed at the
+    end: the planted model's GGUF and packed copy take ~14 GB at 16 layers, which a run
+    without --dir must not leave behind."""
+    if path:
+        os.makedirs(path, exist_ok=True)
+        yield path
+        return
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..engine.packed import load_packed
     from ..loader import load
@@ -299,61 +317,60 @@ def run(args: argparse.Namespace) -> int:
     D, N_FF, _ = shape
     src = tokenizer_source()
     check_memory(args.layers, vocab_size(src), shape)
-    root = args.dir or tempfile.mkdtemp(prefix="relu7b-")
-    os.makedirs(root, exist_ok=True)
-    gguf_path, packed_dir, preds = planted_model(args, shape, root, src=src)
-    # The sparse model first: its scattered row reads need huge pages more than the dense
-    # model's sequential ones, and the second 7 GB model loaded finds them scarcer (16
-    # layers, dense loaded first: dense 91%, sparse 78% of weights on huge pages).
-    sparse = load_packed(packed_dir, mode="sparse", dtype=args.dtype, threads=args.threads, with_tokenizer=False,
-                         predictor_bypass=None).model  # calibrated below to the target share
-    dense = load(gguf_path, dtype=args.dtype, threads=args.threads, with_tokenizer=False)
-    calibrated = calibrate_active_share(sparse, 1 - args.sparsity, n=args.tokens)
-    decode_speed(dense.model, 2), decode_speed(sparse, 2)  # warm-up
-    # Rounds alternate dense and sparse, and the bus is probed in each: this machine's
-    # bandwidth drifts by 20-30% within minutes, so the ratio is taken per round (paired),
-    # and each round runs dense, sparse, dense (half the tokens each time for dense), so that
-    # a drift within the round weighs on both engines alike.
-    d_speeds, s_speeds, active, probes = [], [], [], []
-    half = max(1, args.tokens // 2)
-    for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
-        probes.append(memory_read_bandwidth())
-        before = decode_speed(dense.model, half)
-        sparse.ffn_stats.reset()
-        s_speeds.append(decode_speed(sparse, args.tokens))
-        active.append(sparse.ffn_stats.active_fraction)
-        after = decode_speed(dense.model, half)
-        d_speeds.append(statistics.harmonic_mean([before, after]))  # tokens over time, both halves
-    huge = {name: huge_page_share(m.tensors()) for name, m in (("dense", dense.model), ("sparse", sparse))}
-    ratios = [b / a for a, b in zip(d_speeds, s_speeds)]
-    el = 2
-    attn = args.layers * 4 * D * D * el
-    head = dense.model.lm_head.weight.numel() * el
-    pred = sum(p.n_params for p in preds.layers) * 4
-    frac = statistics.mean(active)
-    sparse_bytes = attn + head + pred + frac * args.layers * N_FF * 3 * D * el
-    dense_bytes = attn + head + args.layers * N_FF * 3 * D * el
-    # The bus per round: its probe, or what the dense engine read in that round where that is
-    # more (it reads the weights once per token, sequentially: a bound it beats is no bound).
-    buses = [max(b, v * dense_bytes) for b, v in zip(probes, d_speeds)]
-    bandwidth = max(buses)  # the best the bus did in this run
-    d, s = statistics.median(d_speeds), statistics.median(s_speeds)
-    bound = bandwidth / sparse_bytes
-    # each round's share of its own bus (the bus swings within minutes)
-    d_share = statistics.median(v * dense_bytes / b for v, b in zip(d_speeds, buses))
-    s_share = statistics.median(v * sparse_bytes / b for v, b in zip(s_speeds, buses))
-    source = "the dense engine's own reads" if bandwidth > max(probes) else "a probe"
-    what = "ReluLLaMA-7B-shaped" if shape == RELULLAMA_7B else f"planted d {D}, {N_FF} neurons, {shape.heads} heads"
-    print(f"\n{what}, {args.layers} layers, {args.dtype}, {args.threads} threads; planted mean sparsity "
-          f"{args.sparsity}; {frac:.3f} of FFN neurons computed per token (calibrated to {calibrated:.3f}); "
-          f"bandwidth {bandwidth / 1e9:.1f} GB/s (the run's best, from {source}; probes {min(probes) / 1e9:.1f}-"
-          f"{max(probes) / 1e9:.1f}); median of {args.rounds} rounds x {args.tokens} tokens; weights on huge pages: "
-          + ", ".join(f"{k} {'?' if v is None else f'{v:.0%}'}" for k, v in huge.items()) + "\n")
-    print("| engine | decode tok/s | bytes/token | bound tok/s (best bus) | share of it | share of each round's bus |"
-          "\n|---|---|---|---|---|---|")
-    print(f"| dense | {d:.2f} | {dense_bytes / 1e9:.2f} GB | {bandwidth / dense_bytes:.2f} | "
-          f"{d / (bandwidth / dense_bytes):.0%} | {d_share:.0%} |")
-    print(f"| sparse | {s:.2f} | {sparse_bytes / 1e9:.2f} GB | {bound:.2f} | {s / bound:.0%} | {s_share:.0%} |")
-    print(f"\nsparse / dense: {s / d:.2f}x (median of medians); per round {statistics.median(ratios):.2f}x median, "
-          f"{min(ratios):.2f}-{max(ratios):.2f}x; GGUF for other engines: {gguf_path}")
-    return 0
+    with work_dir(args.dir, "relu7b-") as root:
+        gguf_path, packed_dir, preds = planted_model(args, shape, root, src=src)
+        # The sparse model first: its scattered row reads need huge pages more than the dense
+        # model's sequential ones, and the second 7 GB model loaded finds them scarcer (16
+        # layers, dense loaded first: dense 91%, sparse 78% of weights on huge pages).
+        sparse = load_packed(packed_dir, mode="sparse", dtype=args.dtype, threads=args.threads, with_tokenizer=False,
+                             predictor_bypass=None).model  # calibrated below to the target share
+        dense = load(gguf_path, dtype=args.dtype, threads=args.threads, with_tokenizer=False)
+        calibrated = calibrate_active_share(sparse, 1 - args.sparsity, n=args.tokens)
+        decode_speed(dense.model, 2), decode_speed(sparse, 2)  # warm-up
+        # Rounds alternate dense and sparse, and the bus is probed in each: this machine's
+        # bandwidth drifts by 20-30% within minutes, so the ratio is taken per round (paired),
+        # and each round runs dense, sparse, dense (half the tokens each time for dense), so that
+        # a drift within the round weighs on both engines alike.
+        d_speeds, s_speeds, active, probes = [], [], [], []
+        half = max(1, args.tokens // 2)
+        for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
+            probes.append(memory_read_bandwidth())
+            before = decode_speed(dense.model, half)
+            sparse.ffn_stats.reset()
+            s_speeds.append(decode_speed(sparse, args.tokens))
+            active.append(sparse.ffn_stats.active_fraction)
+            after = decode_speed(dense.model, half)
+            d_speeds.append(statistics.harmonic_mean([before, after]))  # tokens over time, both halves
+        huge = {name: huge_page_share(m.tensors()) for name, m in (("dense", dense.model), ("sparse", sparse))}
+        ratios = [b / a for a, b in zip(d_speeds, s_speeds)]
+        el = 2
+        attn = args.layers * 4 * D * D * el
+        head = dense.model.lm_head.weight.numel() * el
+        pred = sum(p.n_params for p in preds.layers) * 4
+        frac = statistics.mean(active)
+        sparse_bytes = attn + head + pred + frac * args.layers * N_FF * 3 * D * el
+        dense_bytes = attn + head + args.layers * N_FF * 3 * D * el
+        # The bus per round: its probe, or what the dense engine read in that round where that is
+        # more (it reads the weights once per token, sequentially: a bound it beats is no bound).
+        buses = [max(b, v * dense_bytes) for b, v in zip(probes, d_speeds)]
+        bandwidth = max(buses)  # the best the bus did in this run
+        d, s = statistics.median(d_speeds), statistics.median(s_speeds)
+        bound = bandwidth / sparse_bytes
+        # each round's share of its own bus (the bus swings within minutes)
+        d_share = statistics.median(v * dense_bytes / b for v, b in zip(d_speeds, buses))
+        s_share = statistics.median(v * sparse_bytes / b for v, b in zip(s_speeds, buses))
+        source = "the dense engine's own reads" if bandwidth > max(probes) else "a probe"
+        what = "ReluLLaMA-7B-shaped" if shape == RELULLAMA_7B else f"planted d {D}, {N_FF} neurons, {shape.heads} heads"
+        print(f"\n{what}, {args.layers} layers, {args.dtype}, {args.threads} threads; planted mean sparsity "
+              f"{args.sparsity}; {frac:.3f} of FFN neurons computed per token (calibrated to {calibrated:.3f}); "
+              f"bandwidth {bandwidth / 1e9:.1f} GB/s (the run's best, from {source}; probes {min(probes) / 1e9:.1f}-"
+              f"{max(probes) / 1e9:.1f}); median of {args.rounds} rounds x {args.tokens} tokens; weights on huge pages: "
+              + ", ".join(f"{k} {'?' if v is None else f'{v:.0%}'}" for k, v in huge.items()) + "\n")
+        print("| engine | decode tok/s | bytes/token | bound tok/s (best bus) | share of it | share of each round's bus |"
+              "\n|---|---|---|---|---|---|")
+        print(f"| dense | {d:.2f} | {dense_bytes / 1e9:.2f} GB | {bandwidth / dense_bytes:.2f} | "
+              f"{d / (bandwidth / dense_bytes):.0%} | {d_share:.0%} |")
+        print(f"| sparse | {s:.2f} | {sparse_bytes / 1e9:.2f} GB | {bound:.2f} | {s / bound:.0%} | {s_share:.0%} |")
+        print(f"\nsparse / dense: {s / d:.2f}x (median of medians); per round {statistics.median(ratios):.2f}x median, "
+              f"{min(ratios):.2f}-{max(ratios):.2f}x; GGUF for other engines: {gguf_path}")
+        return 0

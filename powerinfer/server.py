@@ -30,7 +30,29 @@ from .errors import PowerInferError
 from .loader import LoadedModel
 
 ALLOWED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-           "stop", "n", "stream", "stream_options", "user"}
+           "stop", "n", "stream", "stream_options", "user",
+           "top_k", "min_p", "repetition_penalty"}  # the last three: sampling extensions, as vLLM has them
+# OpenAI parameters served only at their default (the value that changes nothing): clients
+# such as LangChain send e.g. presence_penalty=0 on every request, which must not fail.
+DEFAULT_ONLY = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": (None, {}),
+                "response_format": (None, {"type": "text"}), "logprobs": (None, False), "top_logprobs": (None, 0),
+                "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+                "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False)}
+
+
+def _is_default(value: object, defaults: tuple) -> bool:
+    """Whether `value` is one of `defaults`, numbers compared by value but never a bool for
+    a number (False == 0 in Python)."""
+    for d in defaults:
+        if value is None or d is None:
+            if value is d:
+                return True
+        elif isinstance(value, bool) or isinstance(d, bool):
+            if value is d:
+                return True
+        elif value == d and (type(value) is type(d) or {type(value), type(d)} <= {int, float}):
+            return True
+    return False
 
 
 class APIError(Exception):
@@ -49,6 +71,7 @@ class Request:
     max_tokens: int
     sampling: SamplingParams
     stop: list[str]
+    include_usage: bool = False  # streaming: a last chunk with the token counts
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
@@ -129,7 +152,8 @@ class Server:
     def parse(self, body: Any, chat: bool) -> tuple[Request, bool]:
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
-        unknown = sorted(set(body) - ALLOWED)
+        unknown = sorted(k for k in body if k not in ALLOWED
+                         and not (k in DEFAULT_ONLY and _is_default(body[k], DEFAULT_ONLY[k])))
         if unknown:
             raise APIError(400, f"unsupported parameter(s): {', '.join(unknown)}", code="unsupported_parameter")
         model = body.get("model")
@@ -161,6 +185,15 @@ class Server:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise APIError(400, "'stream' must be a boolean", code="invalid_type")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict) or set(options) - {"include_usage"} or not isinstance(
+                options.get("include_usage", False), bool):
+            raise APIError(400, "'stream_options' may only hold include_usage (a boolean)", code="invalid_type")
+        top_k = body.get("top_k", 0)
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise APIError(400, "'top_k' must be an integer >= 0", code="invalid_value")
+        min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
+        repetition_penalty = _number(body, "repetition_penalty", 1.0, 1e-3, 100.0)
         tok = self.lm.tokenizer
         if chat:
             messages = chat_messages(body.get("messages"))
@@ -176,8 +209,9 @@ class Server:
         if len(ids) >= limit:
             raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context is {limit} tokens",
                            code="context_length_exceeded")
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
-        return Request(ids, max_tokens, sampling, stop), stream
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                  repetition_penalty=repetition_penalty, seed=seed)
+        return Request(ids, max_tokens, sampling, stop, include_usage=options.get("include_usage", False)), stream
 
     # -- admission and generation ------------------------------------------------------------
     def admit(self) -> None:
@@ -307,11 +341,16 @@ def create_app(server: Server):
                 try:
                     if chat:
                         yield chunk(None, None, first=True)
-                    async for text, finish, _ in server.drain(queue, req):
+                    n = 0
+                    async for text, finish, n in server.drain(queue, req):
                         if text:
                             yield chunk(text, None)
                         if finish:
                             yield chunk(None, finish)
+                    if req.include_usage:  # as OpenAI: no choices, the usage of the whole request
+                        data = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                "created": created, "model": server.model_name, "choices": [], "usage": usage(n)}
+                        yield f"data: {json.dumps(data)}\n\n"
                 except APIError as e:
                     yield f"data: {json.dumps(error_body(e.message, e.type, e.code))}\n\n"
                 finally:

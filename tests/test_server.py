@@ -187,6 +187,33 @@ def test_text_parts_developer_role_and_any_seed(server):
     assert x == y  # seeded: the same text twice
 
 
+def test_defaults_clients_send_usage_chunk_and_sampling_extensions(server):
+    """Parameters at their no-op default (as LangChain sends them) are served, other values
+    refused; stream_options.include_usage ends the stream with the usage; top_k, min_p and
+    repetition_penalty (extensions, as in vLLM) reach the sampler."""
+    import openai
+
+    c = client(server)
+    msgs = [{"role": "user", "content": "Hi there"}]
+    plain = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=8, temperature=0)
+    chunks = list(c.chat.completions.create(model=NAME, messages=msgs, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, presence_penalty=0,
+                                            frequency_penalty=0.0, logit_bias={}, response_format={"type": "text"}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == plain.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
+    assert all(ch.usage is None for ch in chunks[:-1])
+    for bad in ({"presence_penalty": 0.5}, {"logprobs": True}, {"stream_options": {"include_usage": "yes"}}):
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model=NAME, messages=msgs, max_tokens=2, **bad)
+    greedy = c.completions.create(model=NAME, prompt="Hello", max_tokens=8, temperature=0).choices[0].text
+    top1 = c.completions.create(model=NAME, prompt="Hello", max_tokens=8, temperature=1.5, seed=1,
+                                extra_body={"top_k": 1}).choices[0].text
+    assert top1 == greedy  # only the most likely token is left to sample
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=NAME, prompt="Hello", max_tokens=2, extra_body={"top_k": -1})
+
+
 def test_prompt_as_token_ids_or_a_batch_of_one(server, model_dir):
     from powerinfer.tokenizer import load_tokenizer
 

@@ -303,10 +303,19 @@ def create_app(server: Server):
     async def health():
         return {"status": "ok", "active": server.active, "admitted": server.admitted}
 
+    def model_card() -> dict:
+        return {"id": server.model_name, "object": "model", "created": 0, "owned_by": "powerinfer"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
-                                            "owned_by": "powerinfer"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != server.model_name:
+            raise APIError(404, f"the model '{model_id}' does not exist; this server has '{server.model_name}'",
+                           code="model_not_found")
+        return model_card()
 
     async def body_of(request: HTTPRequest) -> Any:
         raw = await request.body()

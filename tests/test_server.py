@@ -100,6 +100,11 @@ def test_completions_and_chat_equal_powerinfer_generate(server, model_dir):
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == expected
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     assert [m.id for m in c.models.list().data] == [NAME]
+    assert c.models.retrieve(NAME).id == NAME
+    import openai
+
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-9")
 
 
 def test_eight_concurrent_streams_get_their_solo_text(server):

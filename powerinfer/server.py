@@ -271,6 +271,19 @@ class Server:
             req.cancel.set()
 
 
+async def cancel_on_disconnect(request: HTTPRequest, req: Request) -> None:
+    """Cancel a non-streaming request's generation when its client goes away (a streaming
+    one notices when its next chunk cannot be sent); otherwise a client that gave up would
+    hold its slot until max_tokens. Waits on the ASGI receive channel, whose next message
+    after the body is the disconnect: Request.is_disconnected() never turns true behind an
+    HTTP middleware (starlette discussion 2094; vLLM issue 10087)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            req.cancel.set()
+            return
+
+
 def create_app(server: Server):
     """The FastAPI application serving `server`."""
     app = FastAPI(title="powerinfer", docs_url=None, redoc_url=None)
@@ -369,10 +382,14 @@ def create_app(server: Server):
             return StreamingResponse(sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         parts, finish, n = [], "length", 0
-        async for text, fin, n in server.drain(queue, req):
-            parts.append(text)
-            if fin:
-                finish = fin
+        watcher = asyncio.create_task(cancel_on_disconnect(request, req))
+        try:
+            async for text, fin, n in server.drain(queue, req):
+                parts.append(text)
+                if fin:
+                    finish = fin
+        finally:
+            watcher.cancel()
         text = "".join(parts)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}

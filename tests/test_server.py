@@ -151,6 +151,13 @@ def test_disconnect_cancels_and_frees_the_slot(server):
     assert c.completions.create(model=NAME, prompt="Still alive?", max_tokens=3, temperature=0).choices[0].text
 
 
+def test_a_non_streaming_client_that_gives_up_frees_its_slot(server):
+    body = {"model": NAME, "prompt": long_prompt(server), "max_tokens": 1900, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", json=body, timeout=1.0)
+    wait_idle(server, timeout=10)  # long before 1900 tokens would have finished
+
+
 @pytest.mark.parametrize("body,status,fragment", [
     (b"{not json", 400, "not valid JSON"),
     ({"model": NAME, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),

@@ -15,6 +15,7 @@ from powerinfer.ops.numba_half import numpy_weights
 
 torch.set_num_threads(2)
 cpu.set_threads(2)
+nt = panels.threads()
 L, d, n = 30, 576, 1536
 rng = np.random.default_rng(0)
 W_in = [numpy_weights(torch.randn(2 * n, d).bfloat16()) for _ in range(L)]
@@ -47,11 +48,11 @@ cases = [
     ("dense FFN, one call", dense_ffn, ffn_bytes),
     ("gated_ffn all rows", fused(idx), ffn_bytes),
     ("gated_ffn 93% rows", fused(idx93), ffn_bytes * 0.93),
-    ("tiny parallel call (overhead)", lambda l: cpu.gemv_kernel(W_in[l][:8], x[0], cpu.NO_BIAS, cpu.NO_BIAS, hh[:8]), 0),
+    ("tiny parallel call (overhead)", lambda l: panels.gemv_any(W_in[l][:8], x[0], cpu.NO_BIAS, cpu.NO_BIAS, hh[:8], nt), 0),
     ("row_gemv all rows", lambda l: sparse_cpu.row_gemv(G[l], x, idx, cpu.NO_BIAS, -1, a), n * d * 2),
-    ("gemv_kernel (dense GEMV)", lambda l: cpu.gemv_kernel(G[l], x[0], cpu.NO_BIAS, cpu.NO_BIAS, hh), n * d * 2),
+    ("gemv_any (dense GEMV, rows)", lambda l: panels.gemv_any(G[l], x[0], cpu.NO_BIAS, cpu.NO_BIAS, hh, nt), n * d * 2),
     ("col_axpy all rows", lambda l: sparse_cpu.col_axpy(D[l], a, idx, 2, o2, False), n * d * 2),
-    ("gemv W_out (dense down)", lambda l: cpu.gemv_kernel(W_out[l], hh, cpu.NO_BIAS, cpu.NO_BIAS, out), n * d * 2),
+    ("gemv W_out (dense down)", lambda l: panels.gemv_any(W_out[l], hh, cpu.NO_BIAS, cpu.NO_BIAS, out, nt), n * d * 2),
 ]
 results = {name: [] for name, _, _ in cases}
 for fn in (c[1] for c in cases):

@@ -159,9 +159,7 @@ class Server:
         model = body.get("model")
         if not isinstance(model, str):
             raise APIError(400, "'model' is required and must be a string", code="invalid_type")
-        if model != self.model_name:
-            raise APIError(404, f"the model '{model}' does not exist; this server has '{self.model_name}'",
-                           code="model_not_found")
+        self.check_model(model)
         n = body.get("n", 1)
         if n != 1:
             raise APIError(400, "only n=1 is supported", code="unsupported_value")
@@ -212,6 +210,12 @@ class Server:
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                   repetition_penalty=repetition_penalty, seed=seed)
         return Request(ids, max_tokens, sampling, stop, include_usage=options.get("include_usage", False)), stream
+
+    def check_model(self, model: str) -> None:
+        """404 unless `model` is the one this server has."""
+        if model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server has '{self.model_name}'",
+                           code="model_not_found")
 
     # -- admission and generation ------------------------------------------------------------
     def admit(self) -> None:
@@ -325,9 +329,7 @@ def create_app(server: Server):
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != server.model_name:
-            raise APIError(404, f"the model '{model_id}' does not exist; this server has '{server.model_name}'",
-                           code="model_not_found")
+        server.check_model(model_id)
         return model_card()
 
     async def body_of(request: HTTPRequest) -> Any:
@@ -347,16 +349,16 @@ def create_app(server: Server):
         usage = lambda n: {"prompt_tokens": len(req.prompt_ids), "completion_tokens": n,
                            "total_tokens": len(req.prompt_ids) + n}
 
+        def event(choices: list[dict], **extra) -> str:
+            data = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                    "model": server.model_name, "choices": choices, **extra}
+            return f"data: {json.dumps(data)}\n\n"
+
         def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
-                data = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.model_name,
-                        "choices": [choice]}
-            else:
-                data = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
-                        "choices": [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]}
-            return f"data: {json.dumps(data)}\n\n"
+                return event([{"index": 0, "delta": delta, "finish_reason": finish}])
+            return event([{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}])
 
         if stream:
             async def sse():
@@ -370,9 +372,7 @@ def create_app(server: Server):
                         if finish:
                             yield chunk(None, finish)
                     if req.include_usage:  # as OpenAI: no choices, the usage of the whole request
-                        data = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                "created": created, "model": server.model_name, "choices": [], "usage": usage(n)}
-                        yield f"data: {json.dumps(data)}\n\n"
+                        yield event([], usage=usage(n))
                 except APIError as e:
                     yield f"data: {json.dumps(error_body(e.message, e.type, e.code))}\n\n"
                 finally:

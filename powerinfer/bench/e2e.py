@@ -54,9 +54,9 @@ def grouped_prompts(tokenizer, per_group: int) -> dict[str, list[list[int]]]:
 def run(args: argparse.Namespace) -> int:
     from ..engine.packed import load_packed
     from ..errors import BadArgumentError, require
-    from ..paths import check_output_file
     from ..loader import DTYPES, load
     from ..offline.prepare import PrepareSettings, prepare
+    from ..paths import check_output_file
     from .timing import decode_round, load_transformers, transformers_round
 
     try:

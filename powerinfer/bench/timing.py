@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Callable
@@ -89,7 +90,9 @@ class BusProbe:
         return max(r[0] for r in self.passes(1))
 
 
+@functools.cache
 def _parallel_sum():
+    """The numba sum, compiled once per process (not once per probe)."""
     import numba
     import numpy as np
 

@@ -9,6 +9,7 @@ import platform
 
 from ..errors import BadArgumentError
 from ..hardware import BUILTIN, HardwareProfile
+from ..paths import check_output_file
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,8 +24,8 @@ def measure() -> HardwareProfile:
     import torch
 
     from ..bench.timing import median_time, memory_read_bandwidth
-    from ..ops import cpu
     from ..ops.numba_half import numpy_weights
+    from ..ops.panels import gemv
 
     # the typical pass, not the best: the cost model predicts what decode sustains, and the
     # best single pass of this machine's bus can read half again as much as a decode round
@@ -32,7 +33,7 @@ def measure() -> HardwareProfile:
     w = torch.randn(8192, 4096)
     x = torch.randn(4096)
     w_np = numpy_weights(w)
-    gemv_s = median_time(lambda: cpu.gemv(w_np, x), 5)
+    gemv_s = median_time(lambda: gemv(w_np, x), 5)
     flops = 2 * w.numel() / gemv_s
     total_mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     gpu_mem, gpu_bw, gpu_flops, pcie = 0, 0.0, 0.0, 0.0
@@ -56,8 +57,7 @@ def measure() -> HardwareProfile:
 
 def run(args: argparse.Namespace) -> int:
     if args.measure:
-        if os.path.exists(args.output) and not args.force:
-            raise BadArgumentError(f"{args.output} exists; pass --force to overwrite it")
+        check_output_file(args.output, args.force, "-o")
         prof = measure()
         with open(args.output, "w") as f:
             json.dump(prof.to_dict(), f, indent=1)

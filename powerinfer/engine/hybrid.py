@@ -121,7 +121,6 @@ class Tier:
         w_in = self.w_gate if self.w_up is None else torch.cat([self.w_gate, self.w_up])
         w_out = self.wt_down.t()
         if w_in.dtype != torch.float32 and panels.panel_width(w_in.shape[1]) and panels.panel_width(w_out.shape[1]):
-            self.d_out = int(w_out.shape[0])
             self.dense_panels = (panels.to_panels(w_in), panels.to_panels(w_out))
             self.w_gate = self.w_up = self.wt_down = None  # not kept: the panels replace them
             self._np = (None, None, self._np[2], None)
@@ -147,7 +146,9 @@ class Tier:
 
     @property
     def out_features(self) -> int:
-        return self.d_out if self.dense_panels is not None else int(self.wt_down.shape[1])
+        if self.dense_panels is not None:
+            return int(self.dense_panels[1].shape[1])  # panels of the down projection: (n / P, d_out, P)
+        return int(self.wt_down.shape[1])
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.w_gate, self.w_up, self.b_in, self.wt_down, *(self.dense_panels or ())) if t is not None]

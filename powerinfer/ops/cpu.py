@@ -54,7 +54,7 @@ def add_matvec(w, v, b, x):
     """x += W v (+ b), in parallel. Step i reads rows i, i+q, i+2q, i+3q (q = n/4): numba
     gives each thread a contiguous range of steps, so each thread reads STREAMS distant
     streams. A called function, not inlined: the kernels that use it share one compiled copy
-    per weight dtype (inlined, it cost attention_block ~2.5 s and gemv_kernel ~2 s more
+    per weight dtype (inlined, it cost attention_block ~2.5 s and the GEMV kernel ~2 s more
     compile), and it runs just as fast."""
     n = w.shape[0]
     q = n // STREAMS
@@ -77,32 +77,12 @@ def add_matvec(w, v, b, x):
         x[i] += acc
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def gemv_kernel(w, x, bias, residual, out):
-    """out = w @ x (+ bias) (+ residual); empty bias/residual arrays mean none."""
-    if residual.shape[0] > 0:
-        out[:] = residual
-    else:
-        out[:] = 0.0
-    add_matvec(w, x, bias, out)
-
-
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NO_BIAS = np.zeros(0, dtype=np.float32)
 
 
 def supports(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype in SUPPORTED_DTYPES and weight.dim() == 2
-
-
-def gemv(w_np: np.ndarray, x: torch.Tensor, bias: np.ndarray | None = None,
-         residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """out = W @ x (+ bias) (+ residual) for one fp32 vector x; `w_np` is numpy_weights(W)."""
-    if out is None:
-        out = torch.empty(w_np.shape[0], dtype=torch.float32)
-    res = NO_BIAS if residual is None else residual.numpy()
-    gemv_kernel(w_np, x.numpy(), NO_BIAS if bias is None else bias, res, out.numpy())
-    return out
 
 
 def set_threads(n: int) -> None:

@@ -119,6 +119,14 @@ def gemv_any(w, x, bias, residual, out, threads):
     matvec_into(w, x, bias, out, threads)
 
 
+def gemv(w_np: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+    """W @ x for one fp32 vector x; `w_np` is numpy_weights(W), in rows or panels."""
+    out = np.empty(w_np.shape[1] if w_np.ndim == 3 else w_np.shape[0], dtype=np.float32)
+    none = np.zeros(0, dtype=np.float32)  # no bias, no residual
+    gemv_any(w_np, x.numpy(), none, none, out, threads())
+    return torch.from_numpy(out)
+
+
 def matvec_into(w, v, b, x, threads):  # pragma: no cover - only its numba overload runs
     """x += W v (+ b) inside numba kernels, for W in rows (2-D) or panels (3-D; `threads` is
     numba's thread count, which the row kernel does not need)."""

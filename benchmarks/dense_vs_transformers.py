@@ -14,7 +14,7 @@ import statistics
 import torch
 
 import powerinfer
-from powerinfer.bench.timing import decode_round, load_transformers, transformers_round
+from powerinfer.timing import decode_round, load_transformers, transformers_round
 from powerinfer.loader import DTYPES
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "

@@ -13,17 +13,19 @@ import numpy as np
 import torch
 
 from powerinfer.ops import cpu, sparse_cpu
+from powerinfer.ops.activations import activation_id
+from powerinfer.ops.criterion import Criterion
 from powerinfer.ops.memory import on_huge_pages
 from powerinfer.ops.numba_half import numpy_weights
 
 torch.manual_seed(0)
 cpu.set_threads(2)
 L, N, D, K = 8, 11008, 4096, 1100
-CRITERIA = {"none": 0, "gate_up": 2, "gate": 1}
+CRITERIA = {c.label: int(c) for c in (Criterion.NONE, Criterion.GATE_UP, Criterion.GATE)}
 mats = [tuple(numpy_weights(on_huge_pages((torch.randn(N, D) * s).half())) for s in (D**-0.5, D**-0.5, 0.01))
         for _ in range(L)]
 x = np.random.randn(1, D).astype(np.float32)
-relu = cpu.ACT_IDS["relu"]
+relu = activation_id("relu")
 rng = np.random.default_rng(0)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,11 +23,18 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass
 class LoadedModel:
-    """A model ready to generate: weights, tokenizer (None when the checkpoint has none)."""
+    """A model ready to generate: weights, tokenizer (None when the checkpoint has none) and,
+    for a packed model, the hybrid engine's state (`packed`: manifest, load plan, stats)."""
 
     model: Model
     tokenizer: Tokenizer | None
     path: str
+    packed: Any = None  # engine.packed.PackedEngine
+
+    @property
+    def ffn_stats(self) -> Any:
+        """The packed engine's decode statistics (engine.hybrid.FFNStats); None when dense."""
+        return None if self.packed is None else self.packed.stats
 
     @property
     def args(self) -> ModelArgs:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from powerinfer.ops import cpu, reference
+from powerinfer.ops.activations import activation_id
 from powerinfer.ops.linear import Linear
 
 
@@ -50,10 +51,10 @@ def test_gated_activation_matches_reference(act, up_act):
     n_ff = 101
     h = torch.randn(2 * n_ff) * 3
     out = np.empty(n_ff, np.float32)
-    cpu.gated_act(h.numpy(), n_ff, cpu.ACT_IDS[act], cpu.ACT_IDS[up_act] if up_act else -1, out)
+    cpu.gated_act(h.numpy(), n_ff, activation_id(act), activation_id(up_act), out)
     torch.testing.assert_close(torch.from_numpy(out), reference.gated_act(h, n_ff, act, up_act), atol=1e-5, rtol=1e-5)
     plain = h.clone()
-    cpu.act_inplace(plain.numpy(), cpu.ACT_IDS[act])
+    cpu.act_inplace(plain.numpy(), activation_id(act))
     torch.testing.assert_close(plain, reference.gated_act(torch.cat([h, torch.ones_like(h)]), 2 * n_ff, act))
 
 

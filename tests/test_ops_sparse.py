@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from powerinfer.errors import BadArgumentError
-from powerinfer.ops import gpu, reference, sparse
+from powerinfer.ops import api as sparse, reference, torch_ops
+from powerinfer.ops.criterion import Criterion
 
 N, D = 301, 77  # odd, not multiples of 16
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -31,7 +32,7 @@ def tol(dtype):
 
 
 def gpu_row_gemv(w, x, idx, bias=None, act=None):
-    return gpu.sparse_row_gemv(w, x if x.dim() == 2 else x[None], idx, bias, act).reshape(*x.shape[:-1], -1)
+    return torch_ops.sparse_row_gemv(w, x if x.dim() == 2 else x[None], idx, bias, act).reshape(*x.shape[:-1], -1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -62,7 +63,7 @@ def test_col_axpy(dtype, kind, tokens):
     expected = reference.sparse_col_axpy(wt, a, idx)
     torch.testing.assert_close(sparse.sparse_col_axpy(wt, a, idx), expected, **tol(dtype))
     a2 = a if a.dim() == 2 else a[None]
-    torch.testing.assert_close(gpu.sparse_col_axpy(wt, a2, idx).reshape(expected.shape), expected, **tol(dtype))
+    torch.testing.assert_close(torch_ops.sparse_col_axpy(wt, a2, idx).reshape(expected.shape), expected, **tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -79,8 +80,8 @@ def test_gated_ffn(dtype, kind, criterion, threshold, tokens, up_act):
     torch.testing.assert_close(h, exp_h, **tol(dtype))
     torch.testing.assert_close(out, exp_out, **tol(dtype))
     x2 = x if x.dim() == 2 else x[None]
-    g_out, g_h = gpu.sparse_gated_ffn(w_gate, w_up, wt_down, x2, idx, "silu", up_act,
-                                      sparse.CRITERIA[criterion], threshold)
+    g_out, g_h = torch_ops.sparse_gated_ffn(w_gate, w_up, wt_down, x2, idx, "silu", up_act,
+                                      int(Criterion.parse(criterion)), threshold)
     torch.testing.assert_close(g_out.reshape(exp_out.shape), exp_out, **tol(dtype))
 
 
@@ -112,12 +113,12 @@ def test_predictor_and_threshold_to_index(dtype, tokens):
     logits = sparse.predictor_logits(w1, b1, w2, b2, x)
     torch.testing.assert_close(logits, expected, **tol(dtype))
     x2 = x if x.dim() == 2 else x[None]
-    torch.testing.assert_close(gpu.predictor_logits(w1, b1, w2, b2, x2).reshape(expected.shape), expected, **tol(dtype))
+    torch.testing.assert_close(torch_ops.predictor_logits(w1, b1, w2, b2, x2).reshape(expected.shape), expected, **tol(dtype))
     for thr in (0.0, 5.0, torch.randn(N), float("inf"), float("-inf")):
         ref_idx = reference.threshold_to_index(expected, thr)
         assert torch.equal(sparse.threshold_to_index(expected, thr), ref_idx)
         thr_t = torch.as_tensor(thr, dtype=torch.float32)
-        assert torch.equal(gpu.threshold_to_index(expected if expected.dim() == 2 else expected[None], thr_t), ref_idx)
+        assert torch.equal(torch_ops.threshold_to_index(expected if expected.dim() == 2 else expected[None], thr_t), ref_idx)
     assert sparse.threshold_to_index(expected, 0.0, torch.int32).dtype == torch.int32
 
 

@@ -123,11 +123,12 @@ def test_silu_oracle_and_sparse_equal_the_instrumented_reference(silu, placement
     torch.testing.assert_close(oracle.forward(ids, oracle.new_cache(64), all_logits=True), ref_oracle,
                                atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(decode_logits(oracle, ids), ref_oracle_decode, atol=2e-5, rtol=1e-5)
-    sparse = load(path, gpu_tier, mode="sparse", predictor_bypass=None).model
+    sparse_lm = load(path, gpu_tier, mode="sparse", predictor_bypass=None)
+    sparse = sparse_lm.model
     torch.testing.assert_close(decode_logits(sparse, ids), ref_sparse, atol=5e-5, rtol=1e-5)
     # the sparse model skips neurons, and the thresholds and predictors really change the output
     # (random weights: the predictors are barely better than chance, so they skip few)
-    assert sparse.ffn_stats.active_fraction < 0.98
+    assert sparse_lm.ffn_stats.active_fraction < 0.98
     assert not torch.allclose(ref_oracle, dense, atol=1e-3)
     assert not torch.allclose(ref_sparse, ref_oracle_decode, atol=1e-3)
     # dense mode on the packed model is the dense model; prefill in sparse mode is dense too
@@ -142,28 +143,32 @@ def test_dense_ish_layers_bypass_their_predictor(silu, placement, monkeypatch):
     training validation set) runs in sparse mode as the oracle does: every gate/up row, the
     true activations choosing the down rows, the predictor never called. Wholly on the CPU it
     runs the dense FFN kernel, which reads every down row anyway: then it is exact (dense)."""
-    from powerinfer.engine.hybrid import Predictor
-    from powerinfer.engine.packed import PREDICTOR_BYPASS
+    from powerinfer.engine.plan import PREDICTOR_BYPASS, Strategy
+    from powerinfer.engine.predictor import Predictor
 
     ids = prompt_ids(silu.lm)
     path = packed(silu, placement, placements(silu.hash)[placement])
-    fractions = [layer["predictor"]["predicted_fraction"] for layer in read_manifest(path)["layers"]]
+    fractions = [layer.predictor.predicted_fraction for layer in read_manifest(path).layers]
     assert all(0.0 < f <= 1.0 for f in fractions)
-    default = load_packed(path, mode="sparse").model
-    assert [l.ffn.predictor_bypass for l in default.layers] == [f >= PREDICTOR_BYPASS for f in fractions]
+    default = load_packed(path, mode="sparse")
+    assert ([l.strategy is not Strategy.PREDICTED for l in default.packed.plan.layers]
+            == [f >= PREDICTOR_BYPASS for f in fractions])
     oracle_logits = decode_logits(load_packed(path, mode="oracle").model, ids)
     predicted_logits = decode_logits(load_packed(path, mode="sparse", predictor_bypass=None).model, ids)
     monkeypatch.setattr(Predictor, "active", lambda *a: pytest.fail("predictor called"))
     monkeypatch.setattr(Predictor, "active_np", lambda *a: pytest.fail("predictor called"))
-    bypassed = load_packed(path, mode="sparse", predictor_bypass=0.0).model
-    assert all(l.ffn.predictor_bypass for l in bypassed.layers)
+    bypassed_lm = load_packed(path, mode="sparse", predictor_bypass=0.0)
+    bypassed = bypassed_lm.model
+    plan = bypassed_lm.packed.plan
+    assert all(l.strategy is not Strategy.PREDICTED for l in plan.layers)
     exact = placement == "all_cpu"
-    assert [l.ffn.bypass_exact for l in bypassed.layers] == [exact] * len(bypassed.layers)
+    assert [l.strategy is Strategy.DENSE for l in plan.layers] == [exact] * len(bypassed.layers)
+    assert all(l.ffn.predictor is None for l in bypassed.layers)  # no memory spent on bypassed predictors
     expected = decode_logits(silu.lm.model, ids) if exact else oracle_logits
     torch.testing.assert_close(decode_logits(bypassed, ids), expected, atol=2e-5, rtol=1e-5)
     assert not torch.allclose(expected, predicted_logits, atol=1e-3)
     assert exact != torch.allclose(expected, oracle_logits, atol=1e-4)  # exact: the threshold is not applied
-    assert bypassed.ffn_stats.active_fraction == 1.0  # every gate/up row is read
+    assert bypassed_lm.ffn_stats.active_fraction == 1.0  # every gate/up row is read
     model, prof = silu.lm.model, silu.profile
     thresholds = [None] * len(prof.thresholds) if exact else prof.thresholds
     with instrumented(model, prof.criterion, thresholds):  # a few tokens: the dense kernel per token
@@ -174,20 +179,21 @@ def test_dense_ish_layers_bypass_their_predictor(silu, placement, monkeypatch):
 
 
 def test_all_cpu_decode_takes_the_one_call_path(silu, monkeypatch):
-    """With the GPU tier empty, decode runs each FFN as one kernel call (HybridFFN.add_one),
-    not through the two-tier route; with a split it still goes through the tiers."""
-    from powerinfer.engine.hybrid import HybridFFN
+    """With the GPU tier empty, decode runs each FFN as one kernel call (`add_one`), not
+    through the two-tier route; with a split it still goes through the tiers."""
+    from powerinfer.engine.hybrid import TieredFFN
 
     ids = prompt_ids(silu.lm)[:6]
     calls = []
-    original = HybridFFN.run_tiers
-    monkeypatch.setattr(HybridFFN, "run_tiers", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    original = TieredFFN.run_tiers
+    monkeypatch.setattr(TieredFFN, "run_tiers", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
     for placement, expect_tiers in (("all_cpu", False), ("split", True)):
         calls.clear()
-        model = load_packed(packed(silu, placement, placements(silu.hash)[placement]), mode="sparse", predictor_bypass=None).model
+        lm = load_packed(packed(silu, placement, placements(silu.hash)[placement]), mode="sparse", predictor_bypass=None)
+        model = lm.model
         decode_logits(model, ids)
         assert bool(calls) == expect_tiers, placement
-        assert model.ffn_stats.layer_calls == len(ids) * len(model.layers)
+        assert lm.ffn_stats.layer_calls == len(ids) * len(model.layers)
 
 
 @pytest.mark.parametrize("placement", ["all_cpu", "split"])
@@ -197,13 +203,14 @@ def test_relu7b_calibration_reaches_the_target_share(silu, placement, gpu_tier):
     on CUDA the device predictor)."""
     from powerinfer.bench.relu7b import calibrate_active_share
 
-    model = load(packed(silu, placement, placements(silu.hash)[placement]), gpu_tier, mode="sparse",
-                 predictor_bypass=None).model
+    lm = load(packed(silu, placement, placements(silu.hash)[placement]), gpu_tier, mode="sparse",
+              predictor_bypass=None)
+    model = lm.model
     share = calibrate_active_share(model, 0.3, n=8, max_passes=3)
     assert 0.0 < share < 1.0
-    model.ffn_stats.reset()
+    lm.ffn_stats.reset()
     decode_logits(model, prompt_ids(silu.lm))
-    assert abs(model.ffn_stats.active_fraction - 0.3) < 0.12, model.ffn_stats.active_fraction
+    assert abs(lm.ffn_stats.active_fraction - 0.3) < 0.12, lm.ffn_stats.active_fraction
 
 
 def test_split_computes_each_active_neuron_exactly_once(silu, gpu_tier):
@@ -223,7 +230,7 @@ def test_split_computes_each_active_neuron_exactly_once(silu, gpu_tier):
             assert len(set(ids_split.tolist())) == len(ids_split)  # nothing twice
             assert set(ids_split.tolist()) == set(ids_single.tolist())  # nothing dropped
             assert len(gi) > 0 and len(ci) > 0
-            c = fs.criterion_id
+            c = fs.criterion
             gpu_part = fs.tier_output(fs.gpu, x, gi, c)
             cpu_part = fs.tier_output(fs.cpu, x, ci, c)
             whole = f1.tier_output(f1.cpu, x, f1.split(f1.predictor.active(x))[1], c)
@@ -247,24 +254,26 @@ class CountingExecutor:
 
 def test_selective_sync_skips_the_merge_when_the_cpu_part_is_empty(relu, gpu_tier):
     ids = prompt_ids(relu.lm)
-    all_gpu = load(packed(relu, "all_gpu", placements(relu.hash)["all_gpu"]), gpu_tier, mode="sparse",
-                   predictor_bypass=None).model
+    all_gpu_lm = load(packed(relu, "all_gpu", placements(relu.hash)["all_gpu"]), gpu_tier, mode="sparse",
+                      predictor_bypass=None)
+    all_gpu = all_gpu_lm.model
     ex = CountingExecutor()
     for layer in all_gpu.layers:
         layer.ffn.executor = ex
     decode_logits(all_gpu, ids)
-    st = all_gpu.ffn_stats
+    st = all_gpu_lm.ffn_stats
     assert st.layer_calls == LAYERS * len(ids) and st.synced == 0 and st.skipped_sync == st.layer_calls
     assert ex.submits == 0 and st.active_cpu == 0 and st.gpu_share == 1.0
-    split = load(packed(relu, "split", placements(relu.hash)["split"]), gpu_tier, mode="sparse",
-                 predictor_bypass=None).model
+    split_lm = load(packed(relu, "split", placements(relu.hash)["split"]), gpu_tier, mode="sparse",
+                    predictor_bypass=None)
+    split, stats = split_lm.model, split_lm.ffn_stats
     ex = CountingExecutor()
     for layer in split.layers:
         layer.ffn.executor = ex
     decode_logits(split, ids)
-    assert split.ffn_stats.synced > 0 and ex.submits == split.ffn_stats.synced
-    assert 0 < split.ffn_stats.gpu_share < 1
-    assert len(split.ffn_stats.per_token_active) == len(ids)
+    assert stats.synced > 0 and ex.submits == stats.synced
+    assert 0 < stats.gpu_share < 1
+    assert len(stats.per_token_active) == len(ids)
 
 
 def test_offload_mode_puts_whole_layers_on_the_gpu_tier(relu, gpu_tier):
@@ -305,9 +314,10 @@ def test_plain_ffn_families_oracle_and_sparse(tmp_path, name):
     torch.testing.assert_close(decode_logits(oracle, ids), ref, atol=2e-5, rtol=1e-5)
     with instrumented(lm.model, "gate", prof.thresholds, predictors=[p.active for p in layers]):
         ref_sparse = decode_logits(lm.model, ids)
-    sparse = load_packed(out, mode="sparse", with_tokenizer=False, predictor_bypass=None).model
+    sparse_lm = load_packed(out, mode="sparse", with_tokenizer=False, predictor_bypass=None)
+    sparse = sparse_lm.model
     torch.testing.assert_close(decode_logits(sparse, ids), ref_sparse, atol=5e-5, rtol=1e-5)
-    assert 0.2 < sparse.ffn_stats.active_fraction < 0.8
+    assert 0.2 < sparse_lm.ffn_stats.active_fraction < 0.8
     # all on the CPU: oracle, dense and bypassed sparse re-lay the tier for the dense FFN kernel
     # (fc1 and fc2 biases included) and still equal the dense model
     out_cpu = str(tmp_path / "packed-cpu")
@@ -435,7 +445,7 @@ def test_pack_refuses_mismatched_inputs_and_never_overwrites(relu, tmp_path):
 def test_budgets_the_machine_cannot_hold_are_refused(relu, monkeypatch):
     import powerinfer.engine.packed as pk
 
-    monkeypatch.setattr(pk, "_available_ram", lambda: 1000)
+    monkeypatch.setattr(pk, "available_ram", lambda: 1000)
     with pytest.raises(BadArgumentError, match="GiB are available"):
         load_packed(packed(relu, "all_cpu", placements(relu.hash)["all_cpu"]))
     r = run_cli("prepare", "-m", relu.path, "--hardware", "rtx4090", "--vram-budget", "30GiB")
@@ -466,11 +476,11 @@ def test_cli_pack_generate_stats_and_prepare_cache(relu, tmp_path, monkeypatch):
     assert r.returncode == 2 and "no such packed model" in r.stderr and "Traceback" not in r.stderr
     # prepare: the whole pipeline, then a second run that reuses everything
     r = run_cli("prepare", "-m", relu.path, "--prompts", "8", "--heldout", "2", "--max-tokens", "32",
-                "--target-sparsity", "0.3")
+                "--target-sparsity", "0.3", "--predictors", "all")
     assert r.returncode == 0, r.stderr
     assert "prepared:" in r.stdout and "no GPU" in r.stderr
     r = run_cli("prepare", "-m", relu.path, "--prompts", "8", "--heldout", "2", "--max-tokens", "32",
-                "--target-sparsity", "0.3")
+                "--target-sparsity", "0.3", "--predictors", "all")
     assert r.returncode == 0 and "up to date" in r.stderr and "profiling" not in r.stderr
     # predictors replaced in the cache since (as `powerinfer train` does): prepare repacks with them
     from powerinfer.offline.train import Predictors
@@ -481,19 +491,22 @@ def test_cli_pack_generate_stats_and_prepare_cache(relu, tmp_path, monkeypatch):
     preds.layers[0].threshold += 0.25
     preds.save(pdir)
     r = run_cli("prepare", "-m", relu.path, "--prompts", "8", "--heldout", "2", "--max-tokens", "32",
-                "--target-sparsity", "0.3")
+                "--target-sparsity", "0.3", "--predictors", "all")
     assert r.returncode == 0 and "up to date" not in r.stderr and "reusing the predictors" in r.stderr
-    from powerinfer.engine.packed import read_manifest
+    from powerinfer.formats.packed import read_check
     from powerinfer.offline.prepare import default_packed_dir
 
     repacked = read_manifest(default_packed_dir(relu.hash))
-    assert repacked["layers"][0]["predictor"]["threshold"] == pytest.approx(preds.layers[0].threshold)
-    check = repacked["check"]
-    assert check["auto_mode"] in ("sparse", "dense") and set(check["tokens_per_s"]) == {"dense", "sparse"}
+    assert repacked.layers[0].predictor.threshold == pytest.approx(preds.layers[0].threshold)
+    check = read_check(default_packed_dir(relu.hash))
+    assert check.auto_mode in ("sparse", "dense")
+    # measured, or nothing to measure: every layer computes the dense FFN (said so in the note)
+    assert set(check.tokens_per_s) == {"dense", "sparse"} or (
+        check.auto_mode == "dense" and "computes the dense model" in check.note and not check.tokens_per_s)
     r = run_cli("generate", "-m", relu.path, "-p", "Hi", "-n", "4", "--temperature", "0", "--stats")
     assert r.returncode == 0, r.stderr
-    assert f"engine: {check['auto_mode']}" in r.stdout  # what prepare measured to be better
-    if check["auto_mode"] == "dense":
+    assert f"engine: {check.auto_mode}" in r.stdout  # what prepare measured to be better
+    if check.auto_mode == "dense":
         assert "using dense" in r.stderr
     r = run_cli("generate", "-m", relu.path, "-p", "Hi", "-n", "4", "--temperature", "0", "--stats", "--mode", "sparse")
     assert r.returncode == 0 and "engine: sparse" in r.stdout
@@ -503,7 +516,7 @@ def test_cli_pack_generate_stats_and_prepare_cache(relu, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("rank,n_ff", [(8, 96), (64, 4096)])  # the serial small path and the parallel one
 def test_predictor_active_set_equals_torch(rank, n_ff):
-    from powerinfer.engine.hybrid import SMALL_PREDICTOR, Predictor
+    from powerinfer.engine.predictor import SMALL_PREDICTOR, Predictor
 
     g = torch.Generator().manual_seed(rank)
     d = 48

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from powerinfer.ops import cpu, decode, panels, reference
+from powerinfer.ops.activations import activation_id
 from powerinfer.ops.linear import Linear
 from powerinfer.ops.numba_half import numpy_weights
 
@@ -81,7 +82,7 @@ def test_dense_ffn_same_in_panels_and_rows(dtype, gated, act, up_act, criterion)
     w_out = (torch.randn(d, n_ff) / 8).to(dtype)
     b_in, b_out = torch.randn(w_in.shape[0]).numpy(), torch.randn(d).numpy()
     h = torch.randn(d).numpy()
-    args = (cpu.ACT_IDS[act], cpu.ACT_IDS[up_act] if up_act else -1, criterion, np.float32(0.3))
+    args = (activation_id(act), activation_id(up_act), criterion, np.float32(0.3))
     outs = []
     for lay in (lambda t: t, panels.to_panels):
         x = np.ones(d, np.float32)

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from ..loader import DTYPES, load
     from ..offline.prepare import PrepareSettings, prepare
     from ..paths import check_output_file
-    from .timing import decode_round, load_transformers, transformers_round
+    from ..timing import decode_round, load_transformers, transformers_round
 
     try:
         outputs = [int(x) for x in args.outputs.split(",") if x.strip()]
@@ -74,9 +74,11 @@ def run(args: argparse.Namespace) -> int:
     packed_dir = prepare(args.model, PrepareSettings())
     dense = load(args.model, dtype=args.dtype, threads=args.threads)
     models = {"dense": dense.model}
+    packed = {}
     for mode in ("sparse", "oracle"):
         if mode in engines:
-            models[mode] = load_packed(packed_dir, mode=mode, dtype=args.dtype, threads=args.threads).model
+            packed[mode] = load_packed(packed_dir, mode=mode, dtype=args.dtype, threads=args.threads)
+            models[mode] = packed[mode].model
     hf = load_transformers(dense.path, DTYPES[args.dtype]) if "transformers" in engines else None
     prompts = grouped_prompts(dense.tokenizer, args.per_group)
     for m in models.values():  # warm-up: numba compilation, allocator
@@ -94,10 +96,10 @@ def run(args: argparse.Namespace) -> int:
                         speeds[e].append(transformers_round(hf, ids, n)[1])
                     else:
                         if e == "sparse":
-                            models[e].ffn_stats.reset()
+                            packed[e].ffn_stats.reset()
                         speeds[e].append(decode_round(models[e], ids, n)[1])
                         if e == "sparse":
-                            active.append(models[e].ffn_stats.active_fraction)
+                            active.append(packed[e].ffn_stats.active_fraction)
             row = {e: statistics.median(v) for e, v in speeds.items()}
             # ratios of measurements taken back to back (same prompt, one after the other):
             # the machine's drift cancels better than in a ratio of medians
@@ -117,8 +119,8 @@ def run(args: argparse.Namespace) -> int:
         cache = model_cache_dir(content_hash(dense.path))
         prof = Profile.load(str(cache / "profile"))
         preds = Predictors.load(str(cache / "predictors"))
-        engine = models.get("sparse")
-        bypass, exact = (None, None) if engine is None else bypassed_layers(engine)
+        engine = packed.get("sparse")
+        bypass, exact = (None, None) if engine is None else bypassed_layers(engine.packed.plan)
         q = evaluate_predictors(dense, prof, preds, args.quality_prompts, bypass=bypass, exact=exact)
         results["quality"] = {"perplexity": q["perplexity"], "greedy_agreement": q["greedy_agreement"],
                               "prompts": q["prompts"], "tokens": q["tokens"],

@@ -57,7 +57,7 @@ def hardware_for(name: str, device: torch.device):
     if name != "auto":
         return load_hardware(name)
     if device.type == "cuda":
-        from ..commands.hardware import measure
+        from ..offline.measure import measure_hardware as measure
 
         return measure()
     return load_hardware("rtx4090")
@@ -138,14 +138,16 @@ def run(args: argparse.Namespace) -> int:
 
         def load(mode: str):
             before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-            model = load_packed(packed_dir, mode=mode, dtype=args.dtype, threads=args.threads, gpu_device=str(device),
-                                with_tokenizer=False, predictor_bypass=None).model
+            lm = load_packed(packed_dir, mode=mode, dtype=args.dtype, threads=args.threads, gpu_device=str(device),
+                             with_tokenizer=False, predictor_bypass=None)
             used = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else None
-            return model, used
+            return lm, used
 
-        hybrid, hybrid_alloc = load("sparse")
+        hybrid_lm, hybrid_alloc = load("sparse")
+        hybrid, stats = hybrid_lm.model, hybrid_lm.ffn_stats
         calibrated = relu7b.calibrate_active_share(hybrid, 1 - args.sparsity, n=args.tokens)
-        offload, offload_alloc = load("offload")
+        offload_lm, offload_alloc = load("offload")
+        offload = offload_lm.model
         relu7b.decode_speed(offload, 2), relu7b.decode_speed(hybrid, 2)  # warm-up
         speeds: dict[str, list[float]] = {"offload": [], "hybrid": []}
         shares, active = [], []
@@ -153,12 +155,12 @@ def run(args: argparse.Namespace) -> int:
         for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
             # offload, hybrid, offload (half the tokens each): drift within a round weighs on both
             before = relu7b.decode_speed(offload, half)
-            hybrid.ffn_stats.reset()
+            stats.reset()
             speeds["hybrid"].append(relu7b.decode_speed(hybrid, args.tokens))
-            shares.append(hybrid.ffn_stats.gpu_share)
-            active.append(hybrid.ffn_stats.active_fraction)
+            shares.append(stats.gpu_share)
+            active.append(stats.active_fraction)
             speeds["offload"].append(statistics.harmonic_mean([before, relu7b.decode_speed(offload, half)]))
-        manifest = hybrid.packed["manifest"]["placement"]
+        placement = hybrid_lm.packed.manifest.placement
         where = (torch.cuda.get_device_name(device) if device.type == "cuda"
                  else "no CUDA device: the GPU tier is CPU tensors, so these speeds say nothing about a GPU")
         print(f"\nplanted d {shape.d}, {shape.n_ff} neurons, {args.layers} layers, {args.dtype}; {where}; cost model "
@@ -168,16 +170,16 @@ def run(args: argparse.Namespace) -> int:
         print("| engine | decode tok/s | GPU tier weights | on the GPU | placement |\n|---|---|---|---|---|")
         for name, model, alloc, what in (
                 ("offload", offload, offload_alloc,
-                 f"{manifest['offload_gpu_layers']} whole layers, LM head {'GPU' if manifest['offload_head_on_gpu'] else 'CPU'}"),
+                 f"{placement.offload_gpu_layers} whole layers, LM head {'GPU' if placement.offload_head_on_gpu else 'CPU'}"),
                 ("hybrid", hybrid, hybrid_alloc,
-                 f"{manifest['gpu_neurons']} hot neurons, dense parts {'GPU' if manifest['dense_on_gpu'] else 'CPU'}; "
+                 f"{placement.gpu_neurons} hot neurons, dense parts {'GPU' if placement.dense_on_gpu else 'CPU'}; "
                  f"GPU share of neuron load {statistics.median(shares):.2f}")):
             on_gpu = "n/a" if alloc is None else format_size(alloc)
             print(f"| {name} | {statistics.median(speeds[name]):.2f} | {format_size(gpu_tier_bytes(model))} | "
                   f"{on_gpu} | {what} |")
         ratios = [h / o for o, h in zip(speeds["offload"], speeds["hybrid"])]
         print(f"\nhybrid / offload: {statistics.median(ratios):.2f}x per round median ({min(ratios):.2f}-{max(ratios):.2f}x); "
-              f"solver predicted {manifest['predicted_tokens_per_s'] or float('nan'):.1f} tok/s for the hybrid placement; "
+              f"solver predicted {placement.predicted_tokens_per_s or float('nan'):.1f} tok/s for the hybrid placement; "
               + (f"packed model: {packed_dir}" if args.dir else "the planted model's files are removed (--dir keeps them)"),
               file=sys.stdout)
         return 0

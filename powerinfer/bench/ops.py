@@ -26,11 +26,11 @@ import torch.nn.functional as F
 
 from ..errors import BadArgumentError, require
 from ..loader import DTYPES, parse_dtype
-from ..ops import gpu, sparse, sparse_cpu
+from ..ops import api as sparse, sparse_cpu, torch_ops
 from ..ops.memory import on_huge_pages
 from ..ops.numba_half import numpy_weights
 from ..paths import check_output_file
-from .timing import BusProbe, last_level_cache_bytes, median_time
+from ..timing import BusProbe, last_level_cache_bytes, median_time
 
 FRACTIONS = (0.05, 0.10, 0.20, 0.30, 1.00)
 INDEX_SETS = 4
@@ -112,7 +112,7 @@ def _sparse_ops(mats, device: torch.device, cols: int, k: int, torch_ops: bool):
         coef_t = torch.from_numpy(coef).to(device)
 
         def make(w, s):
-            return (lambda: gpu.sparse_row_gemv(w, x_dev, s), lambda: gpu.sparse_col_axpy(w, coef_t, s))
+            return (lambda: torch_ops.sparse_row_gemv(w, x_dev, s), lambda: torch_ops.sparse_col_axpy(w, coef_t, s))
         x_dev = torch.randn(1, cols, device=device)
         return make
     out = np.empty((1, k), dtype=np.float32)

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .timing import decode_round
+from ..timing import decode_round
 
 
 class Shape(NamedTuple):
@@ -238,10 +238,10 @@ def model_bytes(layers: int, vocab: int, shape: Shape = RELULLAMA_7B) -> int:
 
 def check_memory(layers: int, vocab: int, shape: Shape = RELULLAMA_7B) -> None:
     """Refuse, in one line, a layer count whose run would not fit in this machine's memory."""
-    from ..engine.packed import _available_ram
+    from ..engine.packed import available_ram
     from ..errors import BadArgumentError
 
-    need, have = PEAK_OVER_MODEL * model_bytes(layers, vocab, shape), _available_ram()
+    need, have = PEAK_OVER_MODEL * model_bytes(layers, vocab, shape), available_ram()
     if need > have:
         raise BadArgumentError(f"--layers {layers} needs about {need / 2**30:.1f} GiB of memory (the dense model, "
                                f"its packed copy and load buffers), {have / 2**30:.1f} GiB are available; try a smaller --layers")
@@ -309,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
     from ..engine.packed import load_packed
     from ..loader import load
     from ..ops.memory import huge_page_share
-    from .timing import memory_read_bandwidth
+    from ..timing import memory_read_bandwidth
 
     check_planted_args(args)
     torch.set_num_threads(args.threads)
@@ -322,8 +322,9 @@ def run(args: argparse.Namespace) -> int:
         # The sparse model first: its scattered row reads need huge pages more than the dense
         # model's sequential ones, and the second 7 GB model loaded finds them scarcer (16
         # layers, dense loaded first: dense 91%, sparse 78% of weights on huge pages).
-        sparse = load_packed(packed_dir, mode="sparse", dtype=args.dtype, threads=args.threads, with_tokenizer=False,
-                             predictor_bypass=None).model  # calibrated below to the target share
+        sparse_lm = load_packed(packed_dir, mode="sparse", dtype=args.dtype, threads=args.threads, with_tokenizer=False,
+                                predictor_bypass=None)  # calibrated below to the target share
+        sparse = sparse_lm.model
         dense = load(gguf_path, dtype=args.dtype, threads=args.threads, with_tokenizer=False)
         calibrated = calibrate_active_share(sparse, 1 - args.sparsity, n=args.tokens)
         decode_speed(dense.model, 2), decode_speed(sparse, 2)  # warm-up
@@ -336,9 +337,9 @@ def run(args: argparse.Namespace) -> int:
         for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
             probes.append(memory_read_bandwidth())
             before = decode_speed(dense.model, half)
-            sparse.ffn_stats.reset()
+            sparse_lm.ffn_stats.reset()
             s_speeds.append(decode_speed(sparse, args.tokens))
-            active.append(sparse.ffn_stats.active_fraction)
+            active.append(sparse_lm.ffn_stats.active_fraction)
             after = decode_speed(dense.model, half)
             d_speeds.append(statistics.harmonic_mean([before, after]))  # tokens over time, both halves
         huge = {name: huge_page_share(m.tensors()) for name, m in (("dense", dense.model), ("sparse", sparse))}

@@ -80,12 +80,15 @@ def load_from_args(args: argparse.Namespace) -> LoadedModel:
 def _auto_choice(packed: str) -> str | None:
     """The prepared model, unless `prepare` measured the sparse engine to be slower or worse
     than dense on this machine (then None: the dense engine)."""
-    from ..engine.packed import read_manifest
+    from ..formats.packed import read_check
 
-    check = read_manifest(packed).get("check") or {}
-    if check.get("auto_mode", "sparse") == "sparse":
+    check = read_check(packed)
+    if check is None or check.auto_mode == "sparse":
         return packed
-    tps, ppl = check.get("tokens_per_s", {}), check.get("perplexity", {})
+    if check.note:
+        print(f"note: {check.note}; using dense (--mode sparse forces the packed engine)", file=sys.stderr)
+        return None
+    tps, ppl = check.tokens_per_s, check.perplexity
     why = f"sparse decode {tps.get('sparse', 0):.1f} vs dense {tps.get('dense', 0):.1f} tok/s"
     if ppl:
         why += f", held-out perplexity {ppl.get('sparse', 0):.2f} vs {ppl.get('dense', 0):.2f}"

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(args.prompt)
     warm = warm_up(lm.model) if args.stats else None  # steady-state speeds, not one-time costs
     last = None
-    stats = getattr(lm.model, "ffn_stats", None)
+    stats = lm.ffn_stats
     if stats is not None:
         stats.reset()
     for r in stream_generate(lm.model, lm.tokenizer, prompt, args.max_tokens, sampling, args.stop):
@@ -47,22 +47,18 @@ def run(args: argparse.Namespace) -> int:
 
 def print_stats(r, lm=None, warm_up_s: float | None = None) -> None:
     engine = "dense"
-    packed = getattr(lm.model, "packed", None) if lm is not None else None
+    packed = lm.packed if lm is not None else None
     if packed:
-        engine = f"{packed['mode']}, GPU tier on {packed['gpu_device']}"
+        engine = f"{packed.mode}, GPU tier on {packed.gpu_device}"
         tier = lm.model.tier
         on_tier = [name for name, on in (("attention", any(tier.attention_on_tier(i) for i in range(len(lm.model.layers)))),
                                          ("embeddings/LM head", tier.head), ("KV cache", tier.kv)) if on]
         engine += f" (with {', '.join(on_tier)})" if on_tier else ""
-        bypassed = sum(bool(getattr(l.ffn, "predictor_bypass", False)) for l in lm.model.layers)
-        if bypassed:
-            engine += f"; predictor bypassed in {bypassed}/{len(lm.model.layers)} dense-ish layers"
-            exact = sum(bool(getattr(l.ffn, "bypass_exact", False)) for l in lm.model.layers)
-            engine += f" ({exact} of them exact: the dense FFN kernel reads every row anyway)" if exact else ""
+        engine += f"; {packed.plan.summary()}"
     print(f"engine: {engine} | prefill: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | "
           f"decode: {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s | finish: {r.finish_reason}"
           + (f" | warm-up before: {warm_up_s:.2f} s" if warm_up_s is not None else ""))
-    stats = getattr(lm.model, "ffn_stats", None) if lm is not None else None
+    stats = lm.ffn_stats if lm is not None else None
     if stats is not None and stats.layer_calls:
         per_token = " ".join(f"{f:.2f}" for f in stats.per_token_active[:16])
         more = " ..." if len(stats.per_token_active) > 16 else ""

@@ -53,9 +53,9 @@ def run(args: argparse.Namespace) -> int:
         if not isinstance(placement, dict):
             raise BadArgumentError(f"{args.placement}: not a powerinfer placement")
     m = pack_model(path, args.output, profile, predictors, placement, args.dtype, force=args.force)
-    gpu = m["shards"]["gpu"]["tensor_bytes"] / 2**20
-    cpu = m["shards"]["cpu"]["tensor_bytes"] / 2**20
-    print(f"packed {m['family']} ({len(m['layers'])} layers, {m['placement']['gpu_neurons']} GPU-tier neurons, "
+    gpu = m.shards["gpu"].tensor_bytes / 2**20
+    cpu = m.shards["cpu"].tensor_bytes / 2**20
+    print(f"packed {m.family} ({len(m.layers)} layers, {m.placement.gpu_neurons} GPU-tier neurons, "
           f"predictors: {'yes' if predictors else 'no'}): gpu shard {gpu:.1f} MiB, cpu shard {cpu:.1f} MiB; "
           f"wrote {args.output}")
     return 0

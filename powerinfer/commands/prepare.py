@@ -1,6 +1,7 @@
 """`powerinfer prepare`: profile, train, solve and pack a model once, cached per model.
 
     powerinfer prepare [-m MODEL] [--hardware auto|NAME|FILE] [--vram-budget SIZE] [--dtype fp32|bf16|fp16]
+                       [--predictors auto|all|none]
 
 Afterwards `generate`, `chat` and `serve` use the packed model automatically.
 """
@@ -29,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-ppl-increase", type=float, default=0.01,
                    help="sparsest thresholds with held-out perplexity within (1+P) x dense (default 0.01)")
     p.add_argument("--recall", type=float, default=0.95, help="predictor recall target (default 0.95)")
+    p.add_argument("--predictors", choices=["auto", "all", "none"], default="auto",
+                   help="which layers get a trained predictor: auto (default) those where the profile says one can "
+                        "pay; all; none")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
 
 
@@ -49,12 +53,13 @@ def run(args: argparse.Namespace) -> int:
                         prompts=args.prompts, heldout=args.heldout, max_tokens=args.max_tokens,
                         target_sparsity=args.target_sparsity,
                         max_ppl_increase=None if args.target_sparsity is not None else args.max_ppl_increase,
-                        recall=args.recall)
+                        recall=args.recall, predictors=args.predictors)
     out = prepare(args.model, s)
-    from ..engine.packed import read_manifest
+    from ..formats.packed import read_manifest
 
     m = read_manifest(out)
-    pl = m["placement"]
-    print(f"prepared: {out} ({pl['hardware']}, GPU budget {format_size(pl['budget'])}, "
-          f"{pl['gpu_neurons']} GPU-tier neurons, {m['dtype']} weights)")
+    pl = m.placement
+    trained = sum(layer.predictor is not None for layer in m.layers)
+    print(f"prepared: {out} ({pl.hardware}, GPU budget {format_size(pl.budget)}, "
+          f"{pl.gpu_neurons} GPU-tier neurons, {m.dtype} weights, predictors in {trained} of {len(m.layers)} layers)")
     return 0

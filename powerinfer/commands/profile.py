@@ -16,6 +16,7 @@ import sys
 
 from ..errors import BadArgumentError
 from ..units import parse_size
+from ..offline.profile import make_profile, model_shape_dict
 from .common import add_model_arguments, load_from_args
 
 
@@ -48,42 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hot-coverage", type=float, default=0.8, help="--synthetic: their share of activations (0.8)")
 
 
-def model_shape_dict(args, path: str) -> dict:
-    from dataclasses import asdict
-
-    from ..hardware import shape_of_args
-
-    return asdict(shape_of_args(args, os.path.basename(path.rstrip("/"))))
-
-
 def default_profile_dir(model_path: str) -> str:
     from ..paths import content_hash, model_cache_dir
 
     return str(model_cache_dir(content_hash(model_path)) / "profile")
-
-
-def make_profile(lm, dataset: str, n_prompts: int, n_heldout: int, max_tokens: int, settings, out_dir: str,
-                 weights: str = "fp32"):
-    """Split the dataset, write split.json and profile `lm` into out_dir (shared with `prepare`)."""
-    from ..data import load_prompts, split_prompts
-    from ..offline.profile import profile_model
-    from ..paths import content_hash
-
-    prompts = load_prompts(dataset)
-    profile_set, heldout_set = split_prompts(prompts, n_prompts, n_heldout, settings.seed)
-    a = lm.args
-    manifest = {
-        "model": {"hash": content_hash(lm.path), "path": os.path.abspath(lm.path), "family": a.family,
-                  "name": os.path.basename(lm.path.rstrip("/")), "n_layers": a.n_layers, "d_model": a.d_model,
-                  "n_ff": a.ffn_dim, "act": a.act, "dtype": weights, "shape": model_shape_dict(a, lm.path)},
-        "dataset": {"name": dataset, "seed": settings.seed, "n_profile": len(profile_set),
-                    "n_heldout": len(heldout_set), "max_tokens": max_tokens, "split_file": "split.json"},
-    }
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "split.json"), "w") as f:
-        json.dump({"profile": [p.id for p in profile_set], "heldout": [p.id for p in heldout_set]}, f)
-    return profile_model(lm, [p.text for p in profile_set], [p.text for p in heldout_set], max_tokens, settings,
-                         out_dir, manifest)
 
 
 def _check_output(path: str, force: bool, user_given: bool) -> None:

@@ -13,6 +13,7 @@ from dataclasses import fields
 
 from ..errors import BadArgumentError
 from ..hardware import KNOWN_SHAPES, WEIGHT_BYTES, ModelShape, load_hardware, offload_baseline
+from ..offline.solve import shape_from_manifest
 from ..units import format_size, parse_size
 
 
@@ -36,13 +37,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--explain", action="store_true", help="print the per-layer table")
     p.add_argument("-o", "--output", default=None, help="placement JSON (default: the model's cache dir)")
     p.add_argument("--force", action="store_true", help="overwrite an existing --output file")
-
-
-def shape_from_manifest(manifest: dict) -> ModelShape | None:
-    data = manifest.get("model", {}).get("shape")
-    if not data:
-        return None
-    return ModelShape(**{f.name: data[f.name] for f in fields(ModelShape) if f.name in data})
 
 
 def run(args: argparse.Namespace) -> int:

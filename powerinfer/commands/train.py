@@ -93,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
           "| true sparsity |")
     print("|---|---|---|---|---|---|---|---|---|")
     for i, p in enumerate(preds.layers):
+        if p is None:
+            print(f"| {i} | - | not trained | | | | | | |")
+            continue
         mass = "-" if p.mass_recall is None else f"{p.mass_recall:.3f}"
         print(f"| {i} | {p.rank} | {p.threshold:.3f} | {p.recall:.3f} | {mass} | {len(p.forced)} | "
               f"{p.precision:.3f} | {p.predicted_sparsity:.3f} | {p.true_sparsity:.3f} |")

@@ -15,7 +15,7 @@ import torch
 from ..errors import BadArgumentError, ContextLengthError
 from ..models.base import Model
 from ..tokenizer import Tokenizer
-from .cache import KVCache
+from ..models.cache import KVCache
 from .detokenize import StopMatcher, StreamingDetokenizer
 from .sample import Sampler, SamplingParams
 

@@ -9,21 +9,21 @@ canonical state dict; the forward pass lives here once. Conventions of the canon
   the interleaved layout lets RoPE be one complex multiply.
 * Q, K and V are fused into one matrix `wqkv` (rows: all q heads, all k heads, all v heads),
   so attention costs one GEMV for the three projections.
-* Every FFN is an `engine.ffn.FFN` object, the single place the sparse engine plugs into.
+* Every FFN is an `models.ffn.FFN` object, the single place the sparse engine plugs into.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..engine.cache import KVCache
-from ..engine.ffn import FFN, DenseFFN
+from .cache import KVCache
+from .ffn import FFN, DenseFFN
 from ..ops import cpu, decode, panels
 from ..ops.linear import Linear
 
@@ -59,6 +59,35 @@ class ModelArgs:
     final_norm: bool = True
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: dict, error: type[Exception] = ValueError) -> "ModelArgs":
+        """ModelArgs from a dict (a packed manifest's `args`), checked: `error` names the
+        first unknown, missing or inconsistent field in one line."""
+        if not isinstance(data, dict):
+            raise error("field args must be an object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise error(f"field args.{unknown[0]} is not a model argument")
+        try:
+            args = cls(**data)
+        except TypeError as e:
+            raise error(f"field args is malformed ({e})") from None
+        args.validate(error)
+        return args
+
+    def validate(self, error: type[Exception] = ValueError) -> None:
+        """Refuse sizes that no model has (they would fail deep inside a kernel)."""
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise error(f"field args.{name} must be a positive integer, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise error(f"field args.n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
+        if self.position == "rope" and (self.head_dim % 2 or not self.rope_inv_freq
+                                        or len(self.rope_inv_freq) != self.head_dim // 2):
+            raise error(f"field args.rope_inv_freq must hold head_dim / 2 = {self.head_dim // 2} frequencies")
 
     @property
     def q_dim(self) -> int:

@@ -59,10 +59,12 @@ def greedy_agreement(lm: LoadedModel, prompts: list[torch.Tensor], gen_tokens: i
     return agree / max(total, 1)
 
 
-def bypassed_layers(engine) -> tuple[list[bool], list[bool]]:
-    """Per layer of a loaded sparse engine: whether it bypasses its predictor, and whether it
-    is also exact (threshold unapplied; see load_packed)."""
-    return ([bool(l.ffn.predictor_bypass) for l in engine.layers], [bool(l.ffn.bypass_exact) for l in engine.layers])
+def bypassed_layers(plan) -> tuple[list[bool], list[bool]]:
+    """Per layer of a sparse engine's load plan (engine/plan.py): whether it bypasses its
+    predictor, and whether it is also exact (threshold unapplied)."""
+    from ..engine.plan import Strategy
+
+    return ([l.strategy is not Strategy.PREDICTED for l in plan.layers], [l.strategy is Strategy.DENSE for l in plan.layers])
 
 
 def engine_variant(predictors: list, thresholds: list[float], bypass: list[bool] | None = None,
@@ -70,7 +72,7 @@ def engine_variant(predictors: list, thresholds: list[float], bypass: list[bool]
     """(per-layer predictor callables, per-layer thresholds) for `instrumented` that compute
     what the sparse engine does: predicted neurons above the threshold; every neuron where
     the layer bypasses its predictor; no threshold either where it is exact."""
-    predict = [None if bypass is not None and bypass[i] else p.active for i, p in enumerate(predictors)]
+    predict = [None if p is None or (bypass is not None and bypass[i]) else p.active for i, p in enumerate(predictors)]
     return predict, [None if exact is not None and exact[i] else t for i, t in enumerate(thresholds)]
 
 
@@ -91,6 +93,8 @@ def evaluate_predictors(lm: LoadedModel, profile: Profile, preds: Predictors, n_
     def observer(i):
         def observe(x, score):
             actual = score > thresholds[i]
+            if preds.layers[i] is None:
+                return
             pred = preds.layers[i].active(x)
             counts[i] += torch.tensor([(pred & actual).sum().item(), pred.sum().item(), actual.sum().item()],
                                       dtype=torch.float64)
@@ -106,7 +110,7 @@ def evaluate_predictors(lm: LoadedModel, profile: Profile, preds: Predictors, n_
     oracle_agree = greedy_agreement(lm, prompts, gen_tokens, lambda: instrumented(model, criterion, thresholds))
     predicted_agree = greedy_agreement(lm, prompts, gen_tokens,
                                        lambda: instrumented(model, criterion, predicted_thresholds, predictors=predict))
-    layers = [{"layer": i, "rank": p.rank, "recall": float(counts[i, 0] / max(counts[i, 2], 1)),
+    layers = [{"layer": i, "rank": None if p is None else p.rank, "recall": float(counts[i, 0] / max(counts[i, 2], 1)),
                "precision": float(counts[i, 0] / max(counts[i, 1], 1)),
                "predicted_active": float(counts[i, 1] / max(counts[i, 2], 1))} for i, p in enumerate(preds.layers)]
     return {"prompts": len(tokens), "tokens": int(sum(len(t) for t in tokens)), "gen_tokens": gen_tokens,

@@ -18,7 +18,6 @@ rows are permuted into packed order (GPU rows, then CPU rows), see engine/hybrid
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import asdict
@@ -28,17 +27,12 @@ import torch
 from tqdm import tqdm
 
 from ..errors import BadArgumentError, UnsupportedModelError
+from ..formats.packed import (SHARDS, LayerInfo, LayerPredictor, PackedManifest, PlacementSummary, PredictorsSummary,
+                              ShardInfo, Source, write_manifest)
 from ..loader import DTYPES, read_model, resolve_model_path
 from ..paths import content_hash
 from .stats import Profile
 from .train import Predictors
-
-FORMAT = "powerinfer-packed"
-FORMAT_VERSION = 1
-# Bumped when packing writes something new into a still-loadable format, so that `prepare`
-# repacks its cached model (2: each layer's predictor records its predicted_fraction).
-PACK_REVISION = 2
-SHARDS = ("gpu", "cpu")
 
 
 def _is_ffn_key(key: str) -> bool:
@@ -72,8 +66,11 @@ def hot_first(counts: np.ndarray, members: np.ndarray) -> np.ndarray:
 
 
 def pack_model(model_path: str | None, out_dir: str, profile: Profile, predictors: Predictors | None = None,
-               placement: dict | None = None, dtype: str = "fp32", force: bool = False) -> dict:
-    """Write the packed model to `out_dir`; returns the manifest."""
+               placement: dict | None = None, dtype: str = "fp32", force: bool = False,
+               prepare_request: dict | None = None, predictors_hash: str | None = None) -> PackedManifest:
+    """Write the packed model to `out_dir`; returns the manifest. A layer whose predictor is
+    None (prepare skipped training it) is packed without one. `prepare_request` and
+    `predictors_hash` record what `prepare` packed it for (its cache key)."""
     if dtype not in DTYPES:
         raise BadArgumentError(f"unknown dtype {dtype!r} (choose {', '.join(DTYPES)})")
     if os.path.exists(os.path.join(out_dir, "manifest.json")) and not force:
@@ -91,7 +88,7 @@ def pack_model(model_path: str | None, out_dir: str, profile: Profile, predictor
     if predictors is not None:
         if predictors.manifest.get("model_hash") not in (None, model_hash):
             raise BadArgumentError("the predictors were trained for another model")
-        if len(predictors.layers) != L or any(p.w2.shape[0] != n_ff or p.w1.shape[1] != args.d_model
+        if len(predictors.layers) != L or any(p is not None and (p.w2.shape[0] != n_ff or p.w1.shape[1] != args.d_model)
                                               for p in predictors.layers):
             raise BadArgumentError(f"the predictors do not match the model ({L} layers, d={args.d_model}, {n_ff} neurons)")
     if args.gated_ffn and any(state.get(f"layers.{i}.ffn.b_in") is not None for i in range(L)):
@@ -126,20 +123,18 @@ def pack_model(model_path: str | None, out_dir: str, profile: Profile, predictor
                 sh[q + "b_in"] = b_in[r].float().contiguous()
             sh[q + "down_t"] = w_out[:, r].t().to(wdtype).contiguous()
             sh[q + "neurons"] = r.clone()
-        if predictors is not None:
-            pr = predictors.layers[i]
+        pr = None if predictors is None else predictors.layers[i]
+        if pr is not None:
             perm = torch.from_numpy(np.concatenate([tables["gpu"], tables["cpu"]]))
             sh = shards["gpu"]
             sh[f"layers.{i}.predictor.w1"] = pr.w1.float().contiguous()
             sh[f"layers.{i}.predictor.b1"] = pr.b1.float().contiguous()
             sh[f"layers.{i}.predictor.w2"] = pr.w2.float()[perm].contiguous()
             sh[f"layers.{i}.predictor.b2"] = pr.b2.float()[perm].contiguous()
-        layer_info.append({"layer": i, "n_gpu": int(len(tables["gpu"])), "n_cpu": int(len(tables["cpu"])),
-                           "threshold": profile.thresholds[i],
-                           "predictor": None if predictors is None else {
-                               "rank": predictors.layers[i].rank, "threshold": predictors.layers[i].threshold,
-                               "recall": predictors.layers[i].recall, "precision": predictors.layers[i].precision,
-                               "predicted_fraction": 1.0 - predictors.layers[i].predicted_sparsity}})
+        layer_info.append(LayerInfo(i, int(len(tables["gpu"])), int(len(tables["cpu"])), float(profile.thresholds[i]),
+                                    None if pr is None else LayerPredictor(
+                                        pr.rank, float(pr.threshold), float(pr.recall), float(pr.precision),
+                                        1.0 - float(pr.predicted_sparsity))))
     tmp = out_dir.rstrip("/") + f".tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -149,30 +144,25 @@ def pack_model(model_path: str | None, out_dir: str, profile: Profile, predictor
     for name in SHARDS:
         file = os.path.join(tmp, f"{name}.safetensors")
         save_file(shards[name], file)
-        shard_info[name] = {"file": f"{name}.safetensors", "bytes": os.path.getsize(file),
-                            "tensor_bytes": sum(t.numel() * t.element_size() for t in shards[name].values()),
-                            "hash": content_hash(file)}  # loading compares it (memoised by size+mtime)
+        shard_info[name] = ShardInfo(f"{name}.safetensors", os.path.getsize(file),
+                                     sum(t.numel() * t.element_size() for t in shards[name].values()),
+                                     content_hash(file))  # loading compares it (memoised by size+mtime)
     _save_tokenizer(path, args.eos_token_ids, os.path.join(tmp, "tokenizer"))
     offload = (placement or {}).get("baselines", {}).get("offload", {})
-    manifest = {
-        "format": FORMAT, "format_version": FORMAT_VERSION,
-        "source": {"path": os.path.abspath(path), "hash": model_hash},
-        "family": args.family, "args": asdict(args), "dtype": dtype,
-        "criterion": profile.criterion, "profile_hash": _profile_hash(profile),
-        "predictors": None if predictors is None else {
-            "param_ratio": predictors.manifest.get("param_ratio"), "profile_hash": predictors.manifest.get("profile_hash")},
-        "placement": {"hardware": (placement or {}).get("hardware", {}).get("name", "none"),
-                      "budget": (placement or {}).get("budget", {}).get("total", 0),
-                      "dense_on_gpu": dense_on_gpu,
-                      "offload_gpu_layers": int(offload.get("gpu_layers", 0)),
-                      "offload_head_on_gpu": bool(offload.get("head_on_gpu", False)),
-                      "gpu_neurons": int(sum(l["n_gpu"] for l in layer_info)),
-                      "predicted_tokens_per_s": (placement or {}).get("predicted_tokens_per_s")},
-        "shards": shard_info,
-        "layers": layer_info,
-    }
-    with open(os.path.join(tmp, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
+    pl = placement or {}
+    manifest = PackedManifest(
+        source=Source(os.path.abspath(path), model_hash), family=args.family, args=asdict(args), dtype=dtype,
+        criterion=profile.criterion, profile_hash=_profile_hash(profile),
+        predictors=None if predictors is None else PredictorsSummary(
+            predictors.manifest.get("param_ratio"), predictors.manifest.get("profile_hash")),
+        placement=PlacementSummary(
+            hardware=pl.get("hardware", {}).get("name", "none"), budget=int(pl.get("budget", {}).get("total", 0)),
+            dense_on_gpu=dense_on_gpu, offload_gpu_layers=int(offload.get("gpu_layers", 0)),
+            offload_head_on_gpu=bool(offload.get("head_on_gpu", False)),
+            gpu_neurons=int(sum(layer.n_gpu for layer in layer_info)),
+            predicted_tokens_per_s=pl.get("predicted_tokens_per_s")),
+        shards=shard_info, layers=layer_info, prepare_request=prepare_request, predictors_hash=predictors_hash)
+    write_manifest(tmp, manifest)
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ class PrepareSettings:
     target_sparsity: float | None = None
     max_ppl_increase: float | None = 0.01
     recall: float = 0.95
+    predictors: str = "auto"  # which layers get a predictor: auto (where one can pay), all, none
     budget: float = 0.10
     seed: int = 0
 
@@ -52,15 +54,15 @@ def resolve_hardware(name: str):
 
     if not torch.cuda.is_available():
         return load_hardware("cpu")
-    from ..commands.hardware import measure
+    from .measure import measure_hardware
 
-    return measure()
+    return measure_hardware()
 
 
 def prepare(model_path: str | None, s: PrepareSettings, lm=None) -> str:
     """Run (or reuse) every offline step for the model; returns the packed model directory."""
+    from ..formats.packed import PACK_REVISION
     from ..loader import resolve_model_path
-    from .pack import PACK_REVISION
 
     path = resolve_model_path(model_path)
     model_hash = content_hash(path)
@@ -72,7 +74,7 @@ def prepare(model_path: str | None, s: PrepareSettings, lm=None) -> str:
                                f"{hw.gpu_memory / 2**30:.2f} GiB")
     packed_dir = default_packed_dir(model_hash)
     request = {"hardware": hw.name, "budget": budget, "dtype": s.dtype, "predictor_loss": "magnitude-weighted, heavy misses forced",
-               "pack_revision": PACK_REVISION}
+               "pack_revision": PACK_REVISION, "predictors": s.predictors}
     if _packed_is_current(packed_dir, model_hash, cache, request):
         _log(f"{packed_dir} is up to date ({hw.name}, budget {budget} bytes, {s.dtype})")
         return packed_dir
@@ -81,19 +83,16 @@ def prepare(model_path: str | None, s: PrepareSettings, lm=None) -> str:
 
         _log(f"loading {path}")
         lm = load(path, dtype="fp32")
-    profile = _profile(lm, cache, model_hash, s)
-    predictors = _predictors(lm, profile, cache, model_hash, s)
-    placement = _placement(profile, hw, budget, cache, model_hash, s)
+    from ..formats.packed import write_check
     from .pack import pack_model
 
+    profile = _profile(lm, cache, model_hash, s)
+    predictors = _predictors(lm, profile, cache, model_hash, s, hw)
+    placement = _placement(profile, hw, budget, cache, model_hash, s)
     _log(f"packing into {packed_dir}")
-    manifest = pack_model(path, packed_dir, profile, predictors, placement, s.dtype, force=True)
-    manifest["prepare_request"] = request
-    manifest["predictors_hash"] = _predictors_hash(cache)
-    manifest["placement"]["hardware"] = hw.name
-    manifest["check"] = check_sparse(lm, packed_dir, profile, predictors, s)
-    with open(os.path.join(packed_dir, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
+    pack_model(path, packed_dir, profile, predictors, placement, s.dtype, force=True, prepare_request=request,
+               predictors_hash=_predictors_hash(cache))
+    write_check(packed_dir, check_sparse(lm, packed_dir, profile, predictors, s))
     return packed_dir
 
 
@@ -104,23 +103,32 @@ QUALITY_SLACK = 0.02  # sparse may cost this much held-out perplexity over dense
 MIN_SPEEDUP = 1.05
 
 
-def check_sparse(lm, packed_dir: str, profile: Profile, predictors, s: PrepareSettings) -> dict:
+def check_sparse(lm, packed_dir: str, profile: Profile, predictors, s: PrepareSettings):
     """Measure what `--mode auto` should pick: the sparse engine only when it decodes at least
     MIN_SPEEDUP times as fast as the dense one here and its held-out perplexity is within
-    QUALITY_SLACK of dense."""
-    from ..bench.timing import decode_round
+    QUALITY_SLACK of dense. When the load plan computes the dense model in every layer there
+    is nothing to measure: auto picks dense and says why."""
     from ..engine.packed import load_packed
+    from ..formats.packed import SparseCheck
+    from ..timing import decode_round
     from .evaluate import bypassed_layers, engine_variant, heldout_texts
     from .profile import instrumented, perplexity, tokenize
 
+    loaded = load_packed(packed_dir, mode="sparse", dtype=s.dtype, with_tokenizer=False)
+    plan = loaded.packed.plan
+    if plan.computes_dense_model:
+        note = plan.summary()
+        _log(note + "; --mode auto will use dense")
+        return SparseCheck({}, {}, "dense", QUALITY_SLACK, MIN_SPEEDUP, note=note)
     _log("checking the sparse engine's speed and quality against dense")
+    sparse = loaded.model
     texts = heldout_texts(profile, 16) if s.heldout else []
     ppl = {}
-    sparse = load_packed(packed_dir, mode="sparse", dtype=s.dtype, with_tokenizer=False).model
     if texts:  # what the engine computes: predicted neurons, the true ones where bypassed, all where exact
         tokens = tokenize(lm, texts, s.max_tokens)
         ppl["dense"] = perplexity(lm.model, tokens, "dense ppl")
-        predict, thresholds = engine_variant(predictors.layers, profile.thresholds, *bypassed_layers(sparse))
+        layers = predictors.layers if predictors is not None else [None] * len(profile.layers)
+        predict, thresholds = engine_variant(layers, profile.thresholds, *bypassed_layers(plan))
         with instrumented(lm.model, profile.criterion, thresholds, predictors=predict):
             ppl["sparse"] = perplexity(lm.model, tokens, "sparse ppl")
 
@@ -138,8 +146,7 @@ def check_sparse(lm, packed_dir: str, profile: Profile, predictors, s: PrepareSe
     _log(f"decode {tps['sparse']:.1f} tok/s sparse vs {tps['dense']:.1f} dense ({s.dtype})"
          + (f"; held-out perplexity {ppl['sparse']:.3f} sparse vs {ppl['dense']:.3f} dense" if ppl else "")
          + f"; --mode auto will use {mode}")
-    return {"tokens_per_s": tps, "perplexity": ppl, "auto_mode": mode, "quality_slack": QUALITY_SLACK,
-            "min_speedup": MIN_SPEEDUP}
+    return SparseCheck(tps, ppl, mode, QUALITY_SLACK, MIN_SPEEDUP)
 
 
 def _predictors_hash(cache) -> str | None:
@@ -153,23 +160,21 @@ def _predictors_hash(cache) -> str | None:
 def _packed_is_current(packed_dir: str, model_hash: str, cache, request: dict) -> bool:
     """Whether the packed model was made by this request from the cached profile and the
     cached predictors as they are now (`powerinfer train` may have replaced them since)."""
+    from ..formats.packed import read_check, read_manifest
     from .train import file_hash
 
     try:
-        with open(os.path.join(packed_dir, "manifest.json")) as f:
-            m = json.load(f)
-        stats = cache / "profile" / "stats.safetensors"
-        return (m.get("source", {}).get("hash") == model_hash and m.get("prepare_request") == request
-                and stats.is_file() and m.get("profile_hash") == file_hash(str(stats))
-                and m.get("predictors") is not None and m.get("check") is not None
-                and m.get("predictors_hash") is not None and m.get("predictors_hash") == _predictors_hash(cache))
-    except (OSError, ValueError):
+        m = read_manifest(packed_dir)
+    except PowerInferError:
         return False
+    stats = cache / "profile" / "stats.safetensors"
+    return (m.source.hash == model_hash and m.prepare_request == request
+            and stats.is_file() and m.profile_hash == file_hash(str(stats))
+            and read_check(packed_dir) is not None and m.predictors_hash == _predictors_hash(cache))
 
 
 def _profile(lm, cache, model_hash: str, s: PrepareSettings) -> Profile:
-    from ..commands.profile import make_profile
-    from .profile import ProfileSettings
+    from .profile import ProfileSettings, make_profile
 
     out = str(cache / "profile")
     try:
@@ -191,24 +196,41 @@ def _profile(lm, cache, model_hash: str, s: PrepareSettings) -> Profile:
     return make_profile(lm, s.dataset, s.prompts, s.heldout, s.max_tokens, settings, out)
 
 
-def _predictors(lm, profile: Profile, cache, model_hash: str, s: PrepareSettings):
+def _predictors(lm, profile: Profile, cache, model_hash: str, s: PrepareSettings, hw):
+    """The cached predictors, or new ones for the layers where one can pay (offline/worth.py);
+    None when no layer can: the sparse engine then computes every row."""
+    from ..engine.plan import PREDICTOR_BYPASS
     from .train import Predictors, TrainSettings, file_hash, model_scores, train_predictors
+    from .worth import layers_worth_training
 
     out = str(cache / "predictors")
+    settings = TrainSettings(recall=s.recall, budget=s.budget, seed=s.seed)
+    a = lm.args
+    worth = layers_worth_training(profile, a.d_model, a.gated_ffn, hw, settings, PREDICTOR_BYPASS)
+    paying = {w.layer for w in worth if w.pays or s.predictors == "all"} if s.predictors != "none" else set()
+    if not paying:
+        shutil.rmtree(out, ignore_errors=True)  # our own artefact: stale predictors must not be packed later
+        if s.predictors == "none":
+            _log("--predictors none: step 2 of 4 skipped")
+            return None
+        _log(f"no layer's predictor can pay here (estimated predicted share {min(w.estimated for w in worth):.2f}-"
+             f"{max(w.estimated for w in worth):.2f} of the neurons, predictor {min(w.predictor_cost for w in worth):.0%}+"
+             " of the FFN's bytes): step 2 of 4 skipped, the sparse engine will compute the dense model")
+        return None
     profile_hash = file_hash(os.path.join(profile.path, "stats.safetensors"))
     try:
         preds = Predictors.load(out, model_hash, profile_hash)
         trained = preds.manifest.get("settings", {})
         if (preds.manifest.get("magnitude_weighted") and trained.get("recall") == s.recall
-                and trained.get("mass_recall") == TrainSettings.mass_recall):
+                and trained.get("mass_recall") == TrainSettings.mass_recall
+                and {i for i, p in enumerate(preds.layers) if p is not None} == paying):
             _log(f"reusing the predictors in {out}")
             return preds
     except PowerInferError:
         pass
-    _log("training predictors (step 2 of 4)")
-    preds = train_predictors(profile, lm.model.num_parameters(), TrainSettings(recall=s.recall, budget=s.budget,
-                                                                                seed=s.seed),
-                             model_scores(lm.model, profile.criterion))
+    _log(f"training predictors for the {len(paying)} of {len(worth)} layers where one can pay (step 2 of 4)")
+    preds = train_predictors(profile, lm.model.num_parameters(), settings, model_scores(lm.model, profile.criterion),
+                             only=paying)
     preds.save(out)
     return preds
 
@@ -217,9 +239,8 @@ def _placement(profile: Profile, hw, budget: int, cache, model_hash: str, s: Pre
     if not hw.has_gpu:
         _log(f"hardware {hw.name} has no GPU: every neuron on the CPU tier (step 3 of 4 skipped)")
         return None
-    from ..commands.solve import shape_from_manifest
     from ..hardware import offload_baseline
-    from .solve import build_problem, greedy, placement_document, solve_auto
+    from .solve import build_problem, greedy, placement_document, shape_from_manifest, solve_auto
 
     out = cache / f"placement-{hw.name}-{budget}.json"
     if out.is_file():

@@ -12,6 +12,7 @@ ReLU-family models skip calibration: active means output > 0 (threshold 0).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -23,10 +24,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..engine.ffn import DenseFFN, InstrumentedFFN
 from ..errors import BadArgumentError
 from ..loader import LoadedModel
 from ..models.base import Model
+from ..models.ffn import DenseFFN, InstrumentedFFN
 from .stats import LayerStats, Profile
 
 TOOL_VERSION = "0.1.0"
@@ -296,3 +297,34 @@ def profile_model(lm: LoadedModel, profile_texts: list[str], heldout_texts: list
     prof = Profile(layers=layers, manifest=manifest)
     prof.save(out_dir)
     return prof
+
+
+def model_shape_dict(args, path: str) -> dict:
+    from dataclasses import asdict
+
+    from ..hardware import shape_of_args
+
+    return asdict(shape_of_args(args, os.path.basename(path.rstrip("/"))))
+
+
+def make_profile(lm, dataset: str, n_prompts: int, n_heldout: int, max_tokens: int, settings, out_dir: str,
+                 weights: str = "fp32"):
+    """Split the dataset, write split.json and profile `lm` into out_dir (shared with `prepare`)."""
+    from ..data import load_prompts, split_prompts
+    from ..paths import content_hash
+
+    prompts = load_prompts(dataset)
+    profile_set, heldout_set = split_prompts(prompts, n_prompts, n_heldout, settings.seed)
+    a = lm.args
+    manifest = {
+        "model": {"hash": content_hash(lm.path), "path": os.path.abspath(lm.path), "family": a.family,
+                  "name": os.path.basename(lm.path.rstrip("/")), "n_layers": a.n_layers, "d_model": a.d_model,
+                  "n_ff": a.ffn_dim, "act": a.act, "dtype": weights, "shape": model_shape_dict(a, lm.path)},
+        "dataset": {"name": dataset, "seed": settings.seed, "n_profile": len(profile_set),
+                    "n_heldout": len(heldout_set), "max_tokens": max_tokens, "split_file": "split.json"},
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "split.json"), "w") as f:
+        json.dump({"profile": [p.id for p in profile_set], "heldout": [p.id for p in heldout_set]}, f)
+    return profile_model(lm, [p.text for p in profile_set], [p.text for p in heldout_set], max_tokens, settings,
+                         out_dir, manifest)

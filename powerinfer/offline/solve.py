@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 from scipy import sparse
@@ -323,3 +323,10 @@ def brute_force(problem: Problem, objective: str = "time") -> float:
         else:
             best = max(best, sum(float(problem.loads[l][:k].sum()) for l, k in enumerate(ks)))
     return best
+
+
+def shape_from_manifest(manifest: dict) -> ModelShape | None:
+    data = manifest.get("model", {}).get("shape")
+    if not data:
+        return None
+    return ModelShape(**{f.name: data[f.name] for f in fields(ModelShape) if f.name in data})

@@ -280,17 +280,24 @@ def size_layer(x: torch.Tensor, y: torch.Tensor, sparsity: float, gini: float, s
     return tried
 
 
-def choose_ranks(candidates: list[dict[int, LayerPredictor]], s: TrainSettings, model_params: int) -> list[int]:
-    """Per layer the smallest rank within tolerance of its best; then fit the budget."""
-    chosen = []
+def choose_ranks(candidates: list[dict[int, LayerPredictor] | None], s: TrainSettings,
+                 model_params: int) -> list[int | None]:
+    """Per layer the smallest rank within tolerance of its best; then fit the budget. Layers
+    without candidates (not trained) get None."""
+    chosen: list[int | None] = []
     for tried in candidates:
+        if tried is None:
+            chosen.append(None)
+            continue
         best = max(p.precision for p in tried.values())
         chosen.append(min(r for r, p in tried.items() if p.precision >= best - s.tolerance))
     limit = s.budget * model_params
-    total = lambda: sum(candidates[l][r].n_params for l, r in enumerate(chosen))
+    total = lambda: sum(candidates[l][r].n_params for l, r in enumerate(chosen) if r is not None)
     while total() > limit:
         options = []
         for l, r in enumerate(chosen):
+            if r is None:
+                continue
             smaller = [q for q in candidates[l] if q < r]
             if smaller:
                 q = max(smaller)
@@ -326,13 +333,13 @@ class Predictors:
         os.makedirs(out_dir, exist_ok=True)
         tensors = {}
         for i, p in enumerate(self.layers):
-            for name in ("w1", "b1", "w2", "b2"):
+            for name in ("w1", "b1", "w2", "b2") if p is not None else ():
                 tensors[f"layers.{i}.{name}"] = getattr(p, name).contiguous()
         save_file(tensors, os.path.join(out_dir, "predictors.safetensors"))
         layers = [{"layer": i, "rank": p.rank, "threshold": p.threshold, "recall": p.recall, "precision": p.precision,
                    "predicted_sparsity": p.predicted_sparsity, "true_sparsity": p.true_sparsity,
                    "params": p.n_params, "tried": {str(k): v for k, v in p.tried.items()},
-                   "mass_recall": p.mass_recall, "forced": p.forced}
+                   "mass_recall": p.mass_recall, "forced": p.forced} if p is not None else {"layer": i, "skipped": True}
                   for i, p in enumerate(self.layers)]
         self.manifest = {**self.manifest, "format": FORMAT, "format_version": FORMAT_VERSION, "layers": layers}
         with open(os.path.join(out_dir, "manifest.json"), "w") as f:
@@ -358,6 +365,9 @@ class Predictors:
             raise PredictorError(f"{path}/predictors.safetensors: missing or corrupt ({e})") from None
         layers = []
         for i, info in enumerate(manifest.get("layers", [])):
+            if info.get("skipped"):
+                layers.append(None)
+                continue
             try:
                 w1, b1, w2, b2 = (tensors[f"layers.{i}.{n}"] for n in ("w1", "b1", "w2", "b2"))
             except KeyError:
@@ -373,7 +383,7 @@ class Predictors:
 
 def model_scores(model, criterion: str) -> Callable[[int, torch.Tensor], torch.Tensor]:
     """`scores` for train_predictors from the dense model's own FFNs (what the profile scored)."""
-    from ..engine.ffn import neuron_scores
+    from ..ops.criterion import scores as neuron_scores
     from .profile import dense_ffns
 
     ffns = dense_ffns(model)
@@ -390,15 +400,22 @@ def model_scores(model, criterion: str) -> Callable[[int, torch.Tensor], torch.T
 
 
 def train_predictors(profile: Profile, model_params: int, s: TrainSettings,
-                     scores: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> Predictors:
+                     scores: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+                     only: set[int] | None = None) -> Predictors:
     """Size, train and budget one predictor per layer from the profile's samples.
 
     `scores(layer, x) -> (N, n_ff)`: the true neuron scores of the samples (from the model,
-    see `model_scores`); given, training weights each miss by how strongly the neuron fired."""
+    see `model_scores`); given, training weights each miss by how strongly the neuron fired.
+    `only`: train just these layers (the others get None: no predictor)."""
     torch.manual_seed(s.seed)
-    candidates = []
-    with tqdm(range(len(profile.layers)), desc="train predictors", unit="layer") as bar:
-        for i in bar:
+    candidates: list[dict[int, LayerPredictor] | None] = []
+    todo = [i for i in range(len(profile.layers)) if only is None or i in only]
+    with tqdm(todo, desc="train predictors", unit="layer") as bar:
+        for i in range(len(profile.layers)):
+            if i not in todo:
+                candidates.append(None)
+                continue
+            bar.update(1)
             x, y = load_samples(profile, i)
             if x.shape[0] < 10:
                 raise BadArgumentError(f"{profile.path}: only {x.shape[0]} samples; profile more tokens")
@@ -409,12 +426,15 @@ def train_predictors(profile: Profile, model_params: int, s: TrainSettings,
             candidates.append(size_layer(x, y, st.sparsity, st.gini, s, bar, r_cap=max(s.r_min, _pow2_floor(int(2 * fair))),
                                          score=score))
     ranks = choose_ranks(candidates, s, model_params)
-    layers = []
+    layers: list[LayerPredictor | None] = []
     for tried, r in zip(candidates, ranks):
+        if tried is None:
+            layers.append(None)
+            continue
         p = tried[r]
         p.tried = {q: c.precision for q, c in sorted(tried.items())}
         layers.append(p)
-    total = sum(p.n_params for p in layers)
+    total = sum(p.n_params for p in layers if p is not None)
     manifest = {"model_hash": profile.model_hash, "profile_hash": file_hash(os.path.join(profile.path, "stats.safetensors")),
                 "profile": profile.path, "settings": asdict(s), "predictor_params": total, "model_params": model_params,
                 "param_ratio": total / model_params, "magnitude_weighted": scores is not None}

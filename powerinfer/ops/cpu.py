@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from .criterion import GATE_UP
 from .numba_half import widen
 
 
@@ -113,7 +114,6 @@ def add_rms_norm(x, delta, weight, eps, out):
     rms_norm(x, weight, eps, out)
 
 
-ACT_IDS = {"silu": 0, "swish": 0, "relu": 1, "gelu": 2, "gelu_new": 3, "gelu_pytorch_tanh": 3, "gelu_fast": 3}
 
 
 @njit(inline="always", fastmath=True)
@@ -131,12 +131,12 @@ def _act(v, act_id):
 @njit(inline="always", fastmath=True)
 def gated_value(a, u, up_act_id, criterion, threshold):
     """A gated neuron's value a * up_act(u), a being its activated gate; 0 when off by
-    criterion 2 (|value| <= threshold). Criterion 1 (|a| <= threshold) is the caller's, which
+    GATE_UP (|value| <= threshold). GATE (|a| <= threshold) is the caller's, which
     may then skip reading the up row."""
     if up_act_id >= 0:
         u = _act(u, up_act_id)
     v = a * u
-    if criterion == 2 and abs(v) <= threshold:
+    if criterion == GATE_UP and abs(v) <= threshold:
         return np.float32(0.0)
     return v
 

@@ -18,6 +18,7 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload
 
+from .criterion import GATE
 from .cpu import _act, attend_head, dot4, gated_value, rms_norm, row_dot, write_kv
 from .panels import add_matvec_panels, in_features, matvec_into, out_features
 
@@ -47,13 +48,13 @@ def attention_block(x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, pos, cos, si
 
 @njit(inline="always", fastmath=True)
 def _gated_value(g, u, i, n_ff, b_in, act_id, up_act_id, criterion, threshold):
-    """act(g) * up_act(u) (biases added), 0 when off by the criterion (1: |act(g)| <= threshold,
-    2: |act(g) * up_act(u)| <= threshold; 0: never)."""
+    """act(g) * up_act(u) (biases added), 0 when off by the criterion (GATE: |act(g)| <= threshold,
+    GATE_UP: |act(g) * up_act(u)| <= threshold; NONE: never)."""
     if b_in.shape[0] > 0:
         g += b_in[i]
         u += b_in[n_ff + i]
     a = _act(g, act_id)
-    if criterion == 1 and abs(a) <= threshold:
+    if criterion == GATE and abs(a) <= threshold:
         return np.float32(0.0)
     return gated_value(a, u, up_act_id, criterion, threshold)
 

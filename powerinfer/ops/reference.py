@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..engine.ffn import activation
+from .activations import activation
+from .criterion import Criterion, apply as apply_criterion
 
 
 def gemv(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
@@ -67,11 +68,7 @@ def sparse_gated_ffn(w_gate: torch.Tensor, w_up: torch.Tensor, wt_down: torch.Te
     u = x.float() @ w_up.float().t()
     if up_act:
         u = activation(up_act)(u)
-    h = a * u
-    if criterion == "gate":
-        h = torch.where(a.abs() <= threshold, 0.0, h)
-    elif criterion == "gate_up":
-        h = torch.where(h.abs() <= threshold, 0.0, h)
+    h = apply_criterion(a * u, a, Criterion.parse(criterion), threshold)
     mask = torch.zeros(w_gate.shape[0], dtype=torch.bool)
     mask[idx.long()] = True
     h = torch.where(mask, h, 0.0)

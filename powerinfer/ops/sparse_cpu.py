@@ -20,6 +20,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from .criterion import GATE
 from .cpu import _act, dot4, gated_value, row_dot
 from .numba_half import widen
 
@@ -303,9 +304,9 @@ def col_axpy(wt, a, idx, n_chunks, out, accumulate):
 @njit(inline="always", fastmath=True)
 def _neuron_value(w_gate, w_up, r, x, act_id, up_act_id, criterion, threshold):
     """One gated neuron's value act(g) * up_act(u) for one token x (d,), 0 when off by the
-    criterion (1: |act(g)| <= threshold, its up row then not read; 2: |act(g) * u| <= threshold)."""
+    criterion (GATE: |act(g)| <= threshold, its up row then not read; GATE_UP: |act(g) * u| <= threshold)."""
     a = _act(row_dot(w_gate, r, x), act_id)
-    if criterion == 1 and abs(a) <= threshold:
+    if criterion == GATE and abs(a) <= threshold:
         return np.float32(0.0)
     return gated_value(a, row_dot(w_up, r, x), up_act_id, criterion, threshold)
 
@@ -314,7 +315,7 @@ def _neuron_value(w_gate, w_up, r, x, act_id, up_act_id, criterion, threshold):
 def _neuron_pair(w_gate, w_up, r0, r1, x, act_id, up_act_id, criterion, threshold):
     """Two neurons' values (as `_neuron_value`) in one pass over x: four row streams. Called,
     not inlined: inlining it into gated_ffn cost ~12 s of compile per weight dtype."""
-    if criterion == 1:  # up rows are read only for neurons the gate keeps
+    if criterion == GATE:  # up rows are read only for neurons the gate keeps
         return (_neuron_value(w_gate, w_up, r0, x, act_id, up_act_id, criterion, threshold),
                 _neuron_value(w_gate, w_up, r1, x, act_id, up_act_id, criterion, threshold))
     g0 = u0 = g1 = u1 = np.float32(0.0)
@@ -330,7 +331,7 @@ def _neuron_pair(w_gate, w_up, r0, r1, x, act_id, up_act_id, criterion, threshol
 
 @njit(fastmath=True, cache=True)
 def _gate_then_up(w_gate, w_up, x, idx, lo, hi, act_id, up_act_id, threshold, h):
-    """h[k] for k in [lo, hi), one token x (1, d), under criterion 1 (|act(gate)| <= threshold
+    """h[k] for k in [lo, hi), one token x (1, d), under GATE (|act(gate)| <= threshold
     -> off): gate rows eight at a time; the neurons the gate keeps are queued and their up rows
     read eight at a time too. A ReLU gate at threshold 0 is exact (off means h = 0), so for
     ReLU models a predicted neuron that does not fire costs one row, not three, and the up
@@ -375,9 +376,9 @@ def gated_ffn(w_gate, w_up, wt_down, x, idx, act_id, up_act_id, criterion, thres
     """The fused gated FFN over an active set, in one call:
     g = W_gate[i].x, a = act(g), u = W_up[i].x (up_act optional), h = a*u, out += h * Wt_down[i].
 
-    criterion 0: no threshold; 1: |a| <= threshold -> neuron off, its up row is not read
+    criterion (ops/criterion.py) NONE: no threshold; GATE: |a| <= threshold -> neuron off, its up row is not read
     (CATS; exact for a ReLU gate at threshold 0; at decode the kept neurons' up rows are read
-    eight at a time, `_gate_then_up`); 2: |a*u| <= threshold -> off. Off neurons skip their
+    eight at a time, `_gate_then_up`); GATE_UP: |a*u| <= threshold -> off. Off neurons skip their
     down row. `h` (T, k) gets
     the neuron values (0 when off). Each thread walks its chunk of the active set in blocks
     of eight neurons: gate rows, then up rows, then down rows.
@@ -416,7 +417,7 @@ def gated_ffn(w_gate, w_up, wt_down, x, idx, act_id, up_act_id, criterion, thres
         rows = np.empty(ROW_BLOCK, dtype=np.int64)
         ups = np.empty(ROW_BLOCK, dtype=np.float32)
         lo, hi = c * k // n_chunks, (c + 1) * k // n_chunks
-        if T == 1 and criterion == 1:  # decode under the gate criterion: up rows of kept neurons only
+        if T == 1 and criterion == GATE:  # decode under the gate criterion: up rows of kept neurons only
             _gate_then_up(w_gate, w_up, x, idx, lo, hi, act_id, up_act_id, threshold, h[0])
             _down_chunk(wt_down, idx, h[0], lo, hi, acc[c, 0], sequential_down)
             continue
@@ -430,7 +431,7 @@ def gated_ffn(w_gate, w_up, wt_down, x, idx, act_id, up_act_id, criterion, thres
                     # prefetch, with the first token: the up rows of this block while the gate
                     # rows are read, then the next block's gate rows while the up rows are
                     nxt = ahead if more and t == 0 else ahead[:0]
-                    if criterion != 1:  # every up row is read anyway: eight at a time
+                    if criterion != GATE:  # every up row is read anyway: eight at a time
                         _dot8(w_gate, rows, x, t, h[t, k0:k1], w_up, rows if t == 0 else rows[:0])
                         _dot8(w_up, rows, x, t, ups, w_gate, nxt)
                     else:
@@ -440,10 +441,10 @@ def gated_ffn(w_gate, w_up, wt_down, x, idx, act_id, up_act_id, criterion, thres
                         h[t, kk] = _dot1(w_gate, np.int64(idx[kk]), x, t)
                 for kk in range(k0, k1):
                     a = _act(h[t, kk], act_id)
-                    if criterion == 1 and abs(a) <= threshold:
+                    if criterion == GATE and abs(a) <= threshold:
                         h[t, kk] = 0.0
                         continue
-                    u = ups[kk - k0] if full and criterion != 1 else _dot1(w_up, np.int64(idx[kk]), x, t)
+                    u = ups[kk - k0] if full and criterion != GATE else _dot1(w_up, np.int64(idx[kk]), x, t)
                     h[t, kk] = gated_value(a, u, up_act_id, criterion, threshold)
         for t in range(T):
             _down_chunk(wt_down, idx, h[t], lo, hi, acc[c, t], sequential_down)

@@ -11,33 +11,11 @@ from typing import Callable, Protocol
 import numpy as np
 
 import torch
-import torch.nn.functional as F
 
 from ..ops import cpu, decode, panels
+from ..ops.activations import activation, activation_id
+from ..ops.criterion import scores as criterion_scores
 from ..ops.linear import Linear
-
-
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_new": _gelu_tanh,
-    "gelu_pytorch_tanh": _gelu_tanh,
-    "gelu_fast": _gelu_tanh,
-}
-
-
-def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    from ..errors import UnsupportedModelError
-
-    if name not in ACTIVATIONS:
-        raise UnsupportedModelError(f"activation {name!r} is not supported (known: {', '.join(sorted(ACTIVATIONS))})")
-    return ACTIVATIONS[name]
 
 
 class FFN(Protocol):
@@ -61,8 +39,8 @@ class DenseFFN:
         self.up_act = activation(up_act) if up_act else None
         self.gated = gated
         self.n_ff = w_out.in_features
-        self._act_id = cpu.ACT_IDS[act]
-        self._up_act_id = cpu.ACT_IDS[up_act] if up_act else -1
+        self._act_id = activation_id(act)
+        self._up_act_id = activation_id(up_act)
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """The FFN's neuron activations (T, n_ff): what the profiler and sparse engine look at."""
@@ -115,12 +93,8 @@ class DenseFFN:
 
 def neuron_scores(a: torch.Tensor, u: torch.Tensor | None, criterion: str) -> torch.Tensor:
     """How strongly each neuron fires: |act(gate)| ("gate", CATS) or |act(gate) * up|
-    ("gate_up"); for a plain FFN both are |act(fc1)|."""
-    if criterion == "gate" or u is None:
-        return a.abs()
-    if criterion == "gate_up":
-        return (a * u).abs()
-    raise ValueError(f"unknown criterion {criterion!r}")
+    ("gate_up"); for a plain FFN both are |act(fc1)| (ops/criterion.py)."""
+    return criterion_scores(a, u, criterion)
 
 
 class InstrumentedFFN:

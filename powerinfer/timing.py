@@ -1,4 +1,5 @@
-"""Timing helpers shared by the benchmarks: medians over repeats, memory bandwidth, LLC size."""
+"""Timing helpers shared by prepare's check and the benchmarks: medians over repeats, decode
+rounds, memory bandwidth, LLC size."""
 
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ class BusProbe:
     def __init__(self, n_bytes: int = 1 << 30):
         import numpy as np
 
-        from ..ops import cpu
-        from ..ops.memory import on_huge_pages
+        from .ops import cpu
+        from .ops.memory import on_huge_pages
 
         buf = on_huge_pages(torch.ones(n_bytes // 4, dtype=torch.float32))  # as the weights are
         arr = buf.numpy()
@@ -118,7 +119,7 @@ def memory_read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7, statistic: s
 
 def decode_round(model, ids: list[int], n: int) -> tuple[float, float]:
     """(prefill tok/s, decode tok/s) of our engine: prefill `ids`, then `n` greedy steps."""
-    from ..engine.generate import prefill
+    from .engine.generate import prefill
 
     cache = model.new_cache(len(ids) + n + 1)
     t0 = time.perf_counter()

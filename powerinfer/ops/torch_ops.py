@@ -1,6 +1,7 @@
-"""GPU-tier sparse ops in plain torch (gather the active rows, then dense math).
+"""The torch backend of the sparse ops (gather the active rows, then dense math): the GPU
+tier's code.
 
-Same signatures as the CPU kernels (see sparse.py). On a CUDA device the gathers and small
+Same signatures as the CPU kernels (see api.py). On a CUDA device the gathers and small
 GEMMs run at HBM speed; the same code runs on CPU tensors, which is how CI exercises the
 GPU tier's code path without a GPU. All results are fp32.
 """
@@ -10,14 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..engine.ffn import activation
+from .activations import maybe_activation as _act
+from .criterion import apply as apply_criterion
 
 
-def _act(name: str | None):
-    return activation(name) if name else None
-
-
-def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b in fp32: on CUDA in the weights' dtype (tensor cores, fp32 accumulate), on CPU
     in fp32 because CPU half GEMMs are slow and round the activations."""
     if b.device.type == "cpu":
@@ -28,7 +26,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def sparse_row_gemv(w: torch.Tensor, x: torch.Tensor, idx: torch.Tensor, bias: torch.Tensor | None = None,
                     act: str | None = None) -> torch.Tensor:
     """(T, d) x -> (T, k): act(W[idx] x + bias[idx])."""
-    y = _matmul(x, F.embedding(idx, w).t())
+    y = matmul(x, F.embedding(idx, w).t())
     if bias is not None:
         y = y + bias.float()[idx]
     fn = _act(act)
@@ -37,7 +35,7 @@ def sparse_row_gemv(w: torch.Tensor, x: torch.Tensor, idx: torch.Tensor, bias: t
 
 def sparse_col_axpy(wt: torch.Tensor, a: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """(T, k) coefficients -> (T, d): sum_k a[:, k] Wt[idx[k]]."""
-    return _matmul(a, F.embedding(idx, wt))
+    return matmul(a, F.embedding(idx, wt))
 
 
 def sparse_gated_ffn(w_gate: torch.Tensor, w_up: torch.Tensor, wt_down: torch.Tensor, x: torch.Tensor,
@@ -46,19 +44,15 @@ def sparse_gated_ffn(w_gate: torch.Tensor, w_up: torch.Tensor, wt_down: torch.Te
     """(out (T, d), neuron values h (T, k)); criterion as in sparse_cpu.gated_ffn."""
     a = sparse_row_gemv(w_gate, x, idx, act=act)
     u = sparse_row_gemv(w_up, x, idx, act=up_act)
-    h = a * u
-    if criterion == 1:
-        h = torch.where(a.abs() <= threshold, torch.zeros_like(h), h)
-    elif criterion == 2:
-        h = torch.where(h.abs() <= threshold, torch.zeros_like(h), h)
+    h = apply_criterion(a * u, a, criterion, threshold)
     return sparse_col_axpy(wt_down, h, idx), h
 
 
 def predictor_logits(w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
                      x: torch.Tensor) -> torch.Tensor:
     """(T, d) -> (T, n_ff) logits of W2 relu(W1 x + b1) + b2."""
-    h = F.relu(_matmul(x, w1.t()) + (0.0 if b1 is None else b1.float()))
-    return _matmul(h, w2.t()) + (0.0 if b2 is None else b2.float())
+    h = F.relu(matmul(x, w1.t()) + (0.0 if b1 is None else b1.float()))
+    return matmul(h, w2.t()) + (0.0 if b2 is None else b2.float())
 
 
 def threshold_to_index(logits: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:

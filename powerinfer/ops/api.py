@@ -13,11 +13,12 @@ import numpy as np
 import torch
 
 from ..errors import BadArgumentError
-from . import gpu, sparse_cpu
-from .cpu import ACT_IDS, NO_BIAS, SUPPORTED_DTYPES
+from . import sparse_cpu, torch_ops
+from .activations import activation_id
+from .cpu import NO_BIAS, SUPPORTED_DTYPES
+from .criterion import Criterion
 from .numba_half import numpy_weights
 
-CRITERIA = {"none": 0, "gate": 1, "gate_up": 2}  # what the threshold applies to: |act(g)| or |act(g)*u|
 
 
 def _on_cpu(*tensors: torch.Tensor) -> bool:
@@ -72,13 +73,13 @@ def sparse_row_gemv(w: torch.Tensor, x: torch.Tensor, idx: torch.Tensor, bias: t
         validate(idx, w.shape[0])
     x2, squeeze = _as_2d(x)
     if not _on_cpu(w, x2, idx):
-        y = gpu.sparse_row_gemv(w, x2, idx, bias, act)
+        y = torch_ops.sparse_row_gemv(w, x2, idx, bias, act)
         return y[0] if squeeze else y
     _set_threads(threads)
     out = np.empty((x2.shape[0], idx.shape[0]), dtype=np.float32)
     if idx.shape[0]:
         sparse_cpu.row_gemv(_weights(w, "w"), _f32(x2), _idx(idx), NO_BIAS if bias is None else _f32(bias),
-                            ACT_IDS[act] if act else -1, out)
+                            activation_id(act), out)
     y = torch.from_numpy(out)
     return y[0] if squeeze else y
 
@@ -92,7 +93,7 @@ def sparse_col_axpy(wt: torch.Tensor, a: torch.Tensor, idx: torch.Tensor, *, che
     if a2.shape[1] != idx.shape[0]:
         raise BadArgumentError(f"{a2.shape[1]} coefficients for {idx.shape[0]} indices")
     if not _on_cpu(wt, a2, idx):
-        y = gpu.sparse_col_axpy(wt, a2, idx)
+        y = torch_ops.sparse_col_axpy(wt, a2, idx)
         return y[0] if squeeze else y
     _set_threads(threads)
     out = np.zeros((a2.shape[0], wt.shape[1]), dtype=np.float32)
@@ -111,8 +112,7 @@ def sparse_gated_ffn(w_gate: torch.Tensor, w_up: torch.Tensor, wt_down: torch.Te
     criterion "gate" zeroes neurons with |act(gate)| <= threshold (their up row is not read),
     "gate_up" those with |act(gate) * up| <= threshold; zeroed neurons skip their down row.
     """
-    if criterion not in CRITERIA:
-        raise BadArgumentError(f"criterion must be one of {', '.join(CRITERIA)}")
+    crit = int(Criterion.parse(criterion))
     n_ff = w_gate.shape[0]
     if w_up.shape != w_gate.shape or wt_down.shape[0] != n_ff:
         raise BadArgumentError("w_gate, w_up must be (n_ff, d) and wt_down (n_ff, d_out)")
@@ -120,15 +120,15 @@ def sparse_gated_ffn(w_gate: torch.Tensor, w_up: torch.Tensor, wt_down: torch.Te
         validate(idx, n_ff)
     x2, squeeze = _as_2d(x)
     if not _on_cpu(w_gate, w_up, wt_down, x2, idx):
-        out, h = gpu.sparse_gated_ffn(w_gate, w_up, wt_down, x2, idx, act, up_act, CRITERIA[criterion], threshold)
+        out, h = torch_ops.sparse_gated_ffn(w_gate, w_up, wt_down, x2, idx, act, up_act, crit, threshold)
     else:
         _set_threads(threads)
         out_np = np.zeros((x2.shape[0], wt_down.shape[1]), dtype=np.float32)
         h_np = np.zeros((x2.shape[0], idx.shape[0]), dtype=np.float32)
         if idx.shape[0]:
             sparse_cpu.gated_ffn(_weights(w_gate, "w_gate"), _weights(w_up, "w_up"), _weights(wt_down, "wt_down"),
-                                 _f32(x2), _idx(idx), ACT_IDS[act], ACT_IDS[up_act] if up_act else -1,
-                                 CRITERIA[criterion], np.float32(threshold), sparse_cpu.default_chunks(), h_np,
+                                 _f32(x2), _idx(idx), activation_id(act), activation_id(up_act),
+                                 crit, np.float32(threshold), sparse_cpu.default_chunks(), h_np,
                                  out_np, False)
         out, h = torch.from_numpy(out_np), torch.from_numpy(h_np)
     return (out[0], h[0]) if squeeze else (out, h)
@@ -139,12 +139,12 @@ def predictor_logits(w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor
     """Activation-predictor logits W2 relu(W1 x + b1) + b2, (.., n_ff)."""
     x2, squeeze = _as_2d(x)
     if not _on_cpu(w1, w2, x2):
-        y = gpu.predictor_logits(w1, b1, w2, b2, x2)
+        y = torch_ops.predictor_logits(w1, b1, w2, b2, x2)
         return y[0] if squeeze else y
     _set_threads(threads)
     no_idx = np.zeros(0, dtype=np.int64)
     hidden = np.empty((x2.shape[0], w1.shape[0]), dtype=np.float32)
-    sparse_cpu.row_gemv(_weights(w1, "w1"), _f32(x2), no_idx, NO_BIAS if b1 is None else _f32(b1), ACT_IDS["relu"],
+    sparse_cpu.row_gemv(_weights(w1, "w1"), _f32(x2), no_idx, NO_BIAS if b1 is None else _f32(b1), activation_id("relu"),
                         hidden)
     out = np.empty((x2.shape[0], w2.shape[0]), dtype=np.float32)
     sparse_cpu.row_gemv(_weights(w2, "w2"), hidden, no_idx, NO_BIAS if b2 is None else _f32(b2), -1, out)
@@ -162,6 +162,6 @@ def threshold_to_index(logits: torch.Tensor, threshold: float | torch.Tensor,
         raise BadArgumentError(f"threshold must be a scalar or one value per neuron ({l2.shape[1]})")
     if not _on_cpu(l2):
         thr = thr.to(l2.device)
-        return gpu.threshold_to_index(l2, thr if thr.numel() > 1 else thr[0]).to(index_dtype)
+        return torch_ops.threshold_to_index(l2, thr if thr.numel() > 1 else thr[0]).to(index_dtype)
     probe = np.zeros(0, dtype=np.int32 if index_dtype == torch.int32 else np.int64)
     return torch.from_numpy(sparse_cpu.threshold_to_index(_f32(l2), thr.numpy(), probe))

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from ..errors import BadArgumentError, require
 from ..loader import DTYPES, parse_dtype
-from ..ops import api as sparse, sparse_cpu, torch_ops
+from ..ops import api as sparse, sparse_cpu
+from ..ops import torch_ops as torch_backend
 from ..ops.memory import on_huge_pages
 from ..ops.numba_half import numpy_weights
 from ..paths import check_output_file
@@ -112,7 +113,7 @@ def _sparse_ops(mats, device: torch.device, cols: int, k: int, torch_ops: bool):
         coef_t = torch.from_numpy(coef).to(device)
 
         def make(w, s):
-            return (lambda: torch_ops.sparse_row_gemv(w, x_dev, s), lambda: torch_ops.sparse_col_axpy(w, coef_t, s))
+            return (lambda: torch_backend.sparse_row_gemv(w, x_dev, s), lambda: torch_backend.sparse_col_axpy(w, coef_t, s))
         x_dev = torch.randn(1, cols, device=device)
         return make
     out = np.empty((1, k), dtype=np.float32)

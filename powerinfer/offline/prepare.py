@@ -97,9 +97,8 @@ def prepare(model_path: str | None, s: PrepareSettings, lm=None) -> str:
 
 
 QUALITY_SLACK = 0.02  # sparse may cost this much held-out perplexity over dense and still be the default
-# ... and must decode at least this much faster: closer than that the two are within this
-# machine's run-to-run noise (SmolLM2, where both run the same kernels, measured 44.6 vs 41.8
-# tok/s), and a tie should not trade quality for nothing
+# ... and must decode at least this much faster: closer than that is run-to-run noise on a
+# 2-core machine, and a tie should not trade quality for nothing
 MIN_SPEEDUP = 1.05
 
 

@@ -1,9 +1,8 @@
 """CPU kernels in numba (parallel, fastmath, cached).
 
-Hand-written because no library gives what we need here: torch's CPU GEMV reaches about
-12 GB/s on the 2-core dev machine while a numba prange row-dot reaches about 30 GB/s
-(measured in benchmarks/), and numba reads bf16/fp16 weights directly with fp32
-accumulation, where torch would first copy them to fp32. Kernels take numpy views of torch
+Hand-written because no library gives what we need here: torch's CPU GEMV reads far less
+of the memory bus than a numba prange row-dot (docs/BENCHMARKS.md), and numba reads
+bf16/fp16 weights directly with fp32 accumulation, where torch would first copy them. Kernels take numpy views of torch
 tensors (no copies, see numba_half.numpy_weights); weights are row-major (out, in).
 """
 
@@ -31,9 +30,7 @@ def row_dot(w, i, x):
 
 # Each thread reads its share of the rows as STREAMS interleaved sequential streams, from
 # STREAMS distant parts of the share: more memory requests in flight per core than one
-# stream. Measured on the 2-core dev machine, SmolLM2's (3072, 576) bf16 rows, 30 matrices
-# cycled: one stream per thread 24-27 GB/s, four 29-34 GB/s (the bus probe: 29-33); eight
-# no better than four; two *adjacent* rows per step 14-17 GB/s (one stream, badly ordered).
+# stream (four beat one and eight; docs/BENCHMARKS.md).
 STREAMS = 4
 
 

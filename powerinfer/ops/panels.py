@@ -7,11 +7,8 @@ in the L1 cache while a whole panel streams past. In the row layout the whole x 
 d = 4096, 44 KiB for a down projection) is re-read for every few rows, and the weight
 stream evicts it from L1 between uses.
 
-Why it is worth a layout (measured on the 2-core dev machine, fp16 weights far above the
-LLC, runs interleaved with a torch.sum probe; docs/BENCHMARKS.md, session 8): the row GEMV
-read 60% of torch.sum in the bus's fast phases, and as fast as torch.sum once x was one
-L1-resident line; the panel GEMV reads 77-85% there (rows 57-58%), and 87-95% in the slow
-phases (rows 77-79%). A hand-written C kernel with the x slice in registers did no better.
+Why it is worth a layout: the panel GEMV reads a larger share of the memory bus than the
+row GEMV for weights far above the LLC (docs/BENCHMARKS.md, "panel GEMV").
 
 Only the dense decode GEMVs use panels (attention projections, untied LM heads, the dense
 FFN): the sparse kernels read whole rows chosen by index, which the row layout keeps
@@ -34,10 +31,8 @@ from .memory import huge_empty
 from .numba_half import widen
 
 # Panel widths are multiples of 16 (one AVX-512 vector of fp32) that divide the row, at
-# least two panels per row, as near this as the row allows. Measured (2-core dev machine,
-# fp16 4096 x 4096 cycled, one run, bus probe 55 GB/s): P = 128 35.9 GB/s, 256 39.8, 512
-# 45.1, 1024 42.7, 2048 35.5, rows 31.8; for 11008-wide rows 688 beat 256 and 1376, and
-# for 576-wide rows 288 beat 192 and 576 (a single panel).
+# least two panels per row, as near this as the row allows (512 was the fastest width;
+# docs/BENCHMARKS.md, "panel GEMV").
 TARGET_WIDTH = 512
 
 

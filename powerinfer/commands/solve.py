@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import fields
 
 from ..errors import BadArgumentError
-from ..hardware import KNOWN_SHAPES, WEIGHT_BYTES, ModelShape, load_hardware, offload_baseline
+from ..hardware import KNOWN_SHAPES, WEIGHT_BYTES, load_hardware, offload_baseline
 from ..offline.solve import shape_from_manifest
 from ..units import format_size, parse_size
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .cache import KVCache
 from .ffn import FFN, DenseFFN
-from ..ops import cpu, decode, panels
+from ..ops import api
 from ..ops.linear import Linear
 
 _EMPTY_TABLE = np.zeros((1, 1), dtype=np.float32)
@@ -132,17 +132,9 @@ class Norm:
     eps: float
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "rms" and x.shape[0] == 1 and x.device.type == "cpu" and self.weight is not None:
-            out = torch.empty_like(x)
-            cpu.rms_norm(x[0].numpy(), self.weight.numpy(), self.eps, out[0].numpy())
-            return out
         if self.kind == "layer":
             return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
-        # As HF Llama: normalise in fp32, cast back, then scale.
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = y.to(x.dtype)
-        return y * self.weight if self.weight is not None else y
+        return api.rms_norm(x, self.weight, self.eps)
 
 
 @dataclass
@@ -159,8 +151,8 @@ class Layer:
     attn: Attention
     ffn_norm: Norm | None  # None in a parallel block that shares attn_norm
     ffn: FFN
-    fused_decode: bool = False  # decode runs the attention block as one kernel (ops/decode.py)
-    decode_args: tuple | None = None  # that kernel's per-layer weight arguments, built once
+    fused_decode: bool = False  # decode runs the attention block as one kernel (ops/api.py)
+    decode_weights: api.AttentionWeights | None = None  # that kernel's per-layer weights, built once
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> list[float]:
@@ -250,7 +242,8 @@ class Model:
         self._rope = torch.empty(0, dtype=torch.complex64)
         self._rope_cs: tuple[np.ndarray, np.ndarray] | None = None
         self._decode_bufs = threading.local()  # per thread: the FFN input at fused decode
-        self._attn_scale = args.head_dim**-0.5
+        self._attn_shape = api.AttentionShape(args.n_heads, args.n_kv_heads, args.head_dim, args.head_dim**-0.5,
+                                              args.position == "rope")
 
     def _can_fuse(self, layer: Layer) -> bool:
         """Whether decode can run this layer's attention block in one kernel: a pre-norm,
@@ -330,14 +323,10 @@ class Model:
     def _attend_one(self, layer_idx: int, qkv: torch.Tensor, cache: KVCache, pos: int) -> torch.Tensor:
         """Decode attention in one numba call: RoPE, cache write, softmax(qk)v for all heads."""
         a = self.args
-        rope = a.position == "rope"
-        if rope:
-            cos, sin = self.rope_cos_sin(pos + 1)
-        else:
-            cos = sin = _EMPTY_TABLE
+        cos, sin = self.rope_cos_sin(pos + 1) if self._attn_shape.rope else (_EMPTY_TABLE, _EMPTY_TABLE)
         out = torch.empty(a.q_dim, dtype=torch.float32)
-        cpu.attend_one(qkv.numpy(), pos, cos, sin, cache.k_np[layer_idx], cache.v_np[layer_idx], a.n_heads,
-                       a.n_kv_heads, a.head_dim, a.head_dim**-0.5, rope, out.numpy())
+        api.attend_one(qkv.numpy(), self._attn_shape, pos, cos, sin, cache.k_np[layer_idx], cache.v_np[layer_idx],
+                       out.numpy())
         return out
 
     def rope_cos_sin(self, length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -349,22 +338,20 @@ class Model:
 
     def _fused_block(self, i: int, layer: Layer, x: torch.Tensor, cache: KVCache, pos: int) -> torch.Tensor:
         """One decode token through a layer with two kernel calls; x (1, d) is updated in place.
-        Per-call Python is kept to a minimum (SmolLM2: ~1.5 ms of a 15 ms token was glue)."""
+        Per-call Python is kept to a minimum: on a small model it is a large share of a token."""
         a = self.args
-        rope = a.position == "rope"
-        cos, sin = self.rope_cos_sin(pos + 1) if rope else (_EMPTY_TABLE, _EMPTY_TABLE)
-        w = layer.decode_args
+        cos, sin = self.rope_cos_sin(pos + 1) if self._attn_shape.rope else (_EMPTY_TABLE, _EMPTY_TABLE)
+        w = layer.decode_weights
         if w is None:
             qkv, o = layer.attn.qkv, layer.attn.o
-            w = layer.decode_args = (layer.attn_norm.weight.numpy(), a.norm_eps, qkv.w_np, qkv.b_np, o.w_np, o.b_np,
-                                     layer.ffn_norm.weight.numpy())
+            w = layer.decode_weights = api.AttentionWeights(
+                layer.attn_norm.weight.numpy(), a.norm_eps, qkv.w_np, qkv.b_np, o.w_np, o.b_np,
+                layer.ffn_norm.weight.numpy())
         h = getattr(self._decode_bufs, "h", None)
         if h is None:
             h = self._decode_bufs.h = np.empty(a.d_model, dtype=np.float32)
         xv = x[0].numpy()
-        decode.attention_block(xv, w[0], w[1], w[2], w[3], w[4], w[5], w[6], pos, cos, sin, cache.k_np[i],
-                               cache.v_np[i], a.n_heads, a.n_kv_heads, a.head_dim, self._attn_scale, rope, h,
-                               panels.threads())
+        api.attention_block(w, self._attn_shape, xv, pos, cos, sin, cache.k_np[i], cache.v_np[i], h)
         add_one = getattr(layer.ffn, "add_one", None)  # DenseFFN and HybridFFN have a one-call path
         if add_one is not None and add_one(h, xv):
             return x

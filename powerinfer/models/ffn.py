@@ -12,7 +12,7 @@ import numpy as np
 
 import torch
 
-from ..ops import cpu, decode, panels
+from ..ops import api, cpu
 from ..ops.activations import activation, activation_id
 from ..ops.criterion import scores as criterion_scores
 from ..ops.linear import Linear
@@ -72,8 +72,8 @@ class DenseFFN:
         w_in, w_out = self.w_in.w_np, self.w_out.w_np
         if w_in is None or w_out is None:
             return False
-        decode.dense_ffn(h, w_in, self.w_in.b_np, w_out, self.w_out.b_np, self.gated, self._act_id,
-                         self._up_act_id, 0, np.float32(0.0), x, panels.threads())
+        api.dense_ffn_add(h, w_in, self.w_in.b_np, w_out, self.w_out.b_np, self.gated, self._act_id, self._up_act_id,
+                          0, 0.0, x)
         return True
 
     def _hidden_one(self, h: torch.Tensor) -> torch.Tensor:

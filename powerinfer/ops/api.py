@@ -1,19 +1,26 @@
-"""The sparse ops' public API: torch tensors in, fp32 torch tensors out.
+"""The named ops model and engine code call, and the one place that picks their backend.
 
-One place decides the backend: CPU tensors run the numba kernels (sparse_cpu), anything
-else the torch GPU-tier code (gpu). Every function takes x as (d,) or (T, d) (a few tokens
-sharing the union of their active sets), indices as int32/int64, weights as fp32, bf16 or
-fp16, and validates indices unless `check=False` (for callers that produced them).
+Sparse ops (torch tensors in, fp32 torch tensors out): CPU tensors run the numba kernels
+(sparse_cpu), anything else the torch backend (torch_ops: CUDA, or the CPU-backed GPU
+tier). Every sparse op takes x as (d,) or (T, d) (a few tokens sharing the union of their
+active sets), indices as int32/int64, weights as fp32, bf16 or fp16, and validates indices
+unless `check=False` (for callers that produced them).
+
+Decoder ops (the end of this module): RMSNorm, the one-call decode attention block and
+dense FFN, which take typed records (`AttentionWeights`) and unpack them at the numba
+boundary. The FFN over a row set of the hybrid engine is `ffn_rows.output`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numba
 import numpy as np
 import torch
 
 from ..errors import BadArgumentError
-from . import sparse_cpu, torch_ops
+from . import cpu, decode, panels, sparse_cpu, torch_ops
 from .activations import activation_id
 from .cpu import NO_BIAS, SUPPORTED_DTYPES
 from .criterion import Criterion
@@ -165,3 +172,61 @@ def threshold_to_index(logits: torch.Tensor, threshold: float | torch.Tensor,
         return torch_ops.threshold_to_index(l2, thr if thr.numel() > 1 else thr[0]).to(index_dtype)
     probe = np.zeros(0, dtype=np.int32 if index_dtype == torch.int32 else np.int64)
     return torch.from_numpy(sparse_cpu.threshold_to_index(_f32(l2), thr.numpy(), probe))
+
+
+# -- the decoder's named ops: numba for one CPU token, torch otherwise -------------------------
+@dataclass(frozen=True)
+class AttentionWeights:
+    """What the one-call decode attention block reads of a layer (built once per layer):
+    the attention norm, the fused QKV and output projections (kernel arrays, any weight
+    format the kernels read), their biases (empty: none) and the FFN norm that follows."""
+
+    norm_w: np.ndarray
+    eps: float
+    wqkv: np.ndarray
+    bqkv: np.ndarray
+    wo: np.ndarray
+    bo: np.ndarray
+    ffn_norm_w: np.ndarray
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    scale: float
+    rope: bool
+
+
+def attention_block(w: AttentionWeights, s: AttentionShape, x: np.ndarray, pos: int, cos: np.ndarray,
+                    sin: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, h_out: np.ndarray) -> None:
+    """Decode, one token: x += attention(rms_norm(x)) in place (RoPE, KV cache write at
+    `pos`), then h_out = rms_norm(x) * ffn_norm_w; one numba call (ops/decode.py)."""
+    decode.attention_block(x, w.norm_w, w.eps, w.wqkv, w.bqkv, w.wo, w.bo, w.ffn_norm_w, pos, cos, sin, k_cache,
+                           v_cache, s.n_heads, s.n_kv_heads, s.head_dim, s.scale, s.rope, h_out, panels.threads())
+
+
+def attend_one(qkv: np.ndarray, s: AttentionShape, pos: int, cos: np.ndarray, sin: np.ndarray, k_cache: np.ndarray,
+               v_cache: np.ndarray, out: np.ndarray) -> None:
+    """Decode attention for one token from its fused QKV projection (numba)."""
+    cpu.attend_one(qkv, pos, cos, sin, k_cache, v_cache, s.n_heads, s.n_kv_heads, s.head_dim, s.scale, s.rope, out)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm as HF Llama computes it (normalise in fp32, cast back, then scale): numba for
+    one CPU token, torch otherwise."""
+    if x.shape[0] == 1 and x.device.type == "cpu" and weight is not None and x.dtype == torch.float32:
+        out = torch.empty_like(x)
+        cpu.rms_norm(x[0].numpy(), weight.numpy(), eps, out[0].numpy())
+        return out
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y * weight if weight is not None else y
+
+
+def dense_ffn_add(h: np.ndarray, w_in: np.ndarray, b_in: np.ndarray, w_out: np.ndarray, b_out: np.ndarray,
+                  gated: bool, act_id: int, up_act_id: int, criterion: int, threshold: float, x: np.ndarray) -> None:
+    """Decode, one token: x += FFN(h) in place, every neuron's rows read (ops/decode.py)."""
+    decode.dense_ffn(h, w_in, b_in, w_out, b_out, gated, act_id, up_act_id, criterion, np.float32(threshold), x,
+                     panels.threads())

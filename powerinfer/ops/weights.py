@@ -1,0 +1,90 @@
+"""Typed weights: a matrix knows its storage format, and the format decides which kernel runs.
+
+A `Weight` is an (out, in) matrix stored one way:
+
+* `RowWeight`: row-major rows, fp32, bf16 or fp16, on any device (the torch route always
+  works; on the CPU the numba kernels read it too);
+* `PanelWeight`: half rows re-laid in column panels (ops/panels.py) for the decode GEMV.
+
+What callers use is the same for every format: `kernel` (what the numba kernels take; the
+kernels choose their code path from its numpy type and rank, see panels.matvec_into),
+`rows()` (the matrix as fp32 rows for a torch GEMM, widened or re-laid per call when the
+storage is not that) and `tensors()`. `weight_for` is the one place that picks a format.
+A new storage format is one new class here (or in its own module) with its kernels and
+their reference test, registered in `FORMATS`.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from . import cpu
+from .memory import on_huge_pages
+from .numba_half import numpy_weights
+from .panels import panel_width, rows_from_panels, to_panels
+
+
+class Weight:
+    """An (out, in) matrix in one storage format (see the module docstring)."""
+
+    format: ClassVar[str] = ""
+
+    def __init__(self, stored: torch.Tensor, shape: tuple[int, int], kernel: np.ndarray | None):
+        self.stored = stored
+        self.shape = shape
+        self.kernel = kernel
+
+    @property
+    def device(self) -> torch.device:
+        return self.stored.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.stored.dtype
+
+    def rows(self) -> torch.Tensor:
+        """(out, in) for a torch GEMM: fp32 on the CPU (its half GEMMs are slow), the stored
+        dtype elsewhere."""
+        raise NotImplementedError
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.stored]
+
+
+class RowWeight(Weight):
+    format = "rows"
+
+    def __init__(self, t: torch.Tensor, kernels: bool = True):
+        stored = on_huge_pages(t.contiguous())
+        super().__init__(stored, (int(t.shape[0]), int(t.shape[1])),
+                         numpy_weights(stored) if kernels and cpu.supports(stored) else None)
+
+    def rows(self) -> torch.Tensor:
+        w = self.stored
+        return w.float() if w.device.type == "cpu" and w.dtype != torch.float32 else w
+
+
+class PanelWeight(Weight):
+    format = "panels"
+
+    def __init__(self, t: torch.Tensor):
+        stored = to_panels(t)
+        super().__init__(stored, (int(t.shape[0]), int(t.shape[1])), numpy_weights(stored))
+
+    def rows(self) -> torch.Tensor:
+        return rows_from_panels(self.stored)
+
+
+FORMATS: dict[str, type[Weight]] = {"rows": RowWeight, "panels": PanelWeight}
+
+
+def weight_for(t: torch.Tensor, kernels: bool = True) -> Weight:
+    """The storage format for matrix `t`: panels for half weights the CPU kernels read (when
+    a panel width divides the row), rows otherwise. `kernels=False`: rows for the torch route
+    only (the GPU tier, also when it is CPU tensors in tests)."""
+    if kernels and cpu.supports(t) and t.dtype != torch.float32 and panel_width(int(t.shape[1])) > 0:
+        return PanelWeight(t)
+    return RowWeight(t, kernels)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from .paths import default_model_path
 from .tokenizer import Tokenizer, load_tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+NATIVE = "native"  # each tensor in its stored format: GGUF quantized blocks stay blocks (ops/quant.py)
 
 
 @dataclass
@@ -41,11 +43,14 @@ class LoadedModel:
         return self.model.args
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """A torch dtype, or None for `native` (every tensor as stored)."""
     if isinstance(name, torch.dtype):
         return name
+    if name == NATIVE or name is None:
+        return None
     if name not in DTYPES:
-        raise BadArgumentError(f"unknown dtype {name!r} (choose {', '.join(DTYPES)})")
+        raise BadArgumentError(f"unknown dtype {name!r} (choose {', '.join([*DTYPES, NATIVE])})")
     return DTYPES[name]
 
 
@@ -62,19 +67,25 @@ def resolve_model_path(path: str | None) -> str:
     return path
 
 
-def read_model(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor | None]]:
+def read_model(path: str, native: bool = False) -> tuple[ModelArgs, dict[str, torch.Tensor | None]]:
     """Model arguments and canonical state dict of a GGUF file or HF directory: float
     weights in their stored dtype (F16 stays 16-bit: half the memory of fp32), quantized ones
-    dequantized to fp32. Consumers convert to the dtype they run in."""
+    dequantized to fp32, or with `native` kept as blocks where the kernels read the format
+    (ops/quant.py; others dequantized to bf16, said in one line). Consumers convert to the
+    dtype they run in."""
     if os.path.isdir(path):
         ckpt = open_hf_dir(path)
         family = family_module(str(ckpt.config.get("model_type", "")))
         args = family.args_from_hf(ckpt.config)
         return args, family.state_from_hf(ckpt, args)
-    g = open_gguf(path)
+    g = open_gguf(path, native=native)
     family = family_module(g.architecture, gguf=True)
     args = family.args_from_gguf(g)
-    return args, family.state_from_gguf(g, args)
+    state = family.state_from_gguf(g, args)
+    if g.dequantized:
+        print(f"note: {path}: {', '.join(sorted(g.dequantized))} tensors have no native kernels yet; "
+              "dequantized to bf16", file=sys.stderr)
+    return args, state
 
 
 def model_files(path: str) -> list[str]:
@@ -95,11 +106,13 @@ def set_threads(threads: int | None) -> None:
 
 def load(path: str | None = None, dtype: str | torch.dtype = "fp32", threads: int | None = None,
          with_tokenizer: bool = True) -> LoadedModel:
-    """Load a model for generation. `path`: .gguf file, HF directory, or None for the default."""
+    """Load a model for generation. `path`: .gguf file, HF directory, or None for the default.
+    `dtype`: fp32, bf16, fp16 (weights converted), or native (each tensor as the file stores
+    it: GGUF quantized blocks stay blocks, F16 stays fp16)."""
     set_threads(threads)
     path = resolve_model_path(path)
     torch_dtype = parse_dtype(dtype)
-    args, state = read_model(path)
+    args, state = read_model(path, native=torch_dtype is None)
     model = Model(args, state, torch_dtype)
     del state  # the last references to the mapped file: its cached pages can go now
     drop_file_cache(*model_files(path))

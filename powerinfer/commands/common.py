@@ -7,14 +7,16 @@ import sys
 
 from ..engine.sample import SamplingParams
 from ..errors import BadArgumentError
-from ..loader import DTYPES, LoadedModel, load, resolve_model_path
+from ..loader import DTYPES, NATIVE, LoadedModel, load, resolve_model_path
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None,
                    help="a .gguf file or HF model directory (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="compute dtype (default fp32)")
+    p.add_argument("--dtype", choices=[*DTYPES, NATIVE], default="fp32",
+                   help="weight dtype: fp32 (default), bf16, fp16, or native (as the file stores them, GGUF "
+                        "quantized blocks kept)")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ loader's own copies (in the run dtype, on huge pages) are the only resident ones
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,8 @@ class GGUFFile:
     path: str
     metadata: dict[str, Any]
     _tensors: dict[str, Any]
+    native: bool = False  # quantized tensors as blocks (ops/quant.py) where a kernel reads them
+    dequantized: set[str] = field(default_factory=set)  # quant types read as bf16 in native mode
 
     @property
     def architecture(self) -> str:
@@ -55,13 +57,23 @@ class GGUFFile:
     def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Tensor `name`, shape (rows, cols) as in PyTorch's Linear: in `dtype`, or with None
         in its stored dtype for float types (a view of the mapped file) and fp32 for
-        quantized ones."""
+        quantized ones; in `native` mode quantized matrices of a format the kernels read stay
+        blocks (a view, ops/quant.py) and other quantized ones are dequantized to bf16."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
+
+        from ..ops import quant
 
         if name not in self._tensors:
             raise ModelFileError(f"{self.path}: tensor {name} is missing")
         t = self._tensors[name]
+        kind = t.tensor_type.name
+        if self.native and dtype is None and kind in quant.FORMATS and len(t.shape) == 2:
+            cols, rows = int(t.shape[0]), int(t.shape[1])
+            return quant.from_gguf(t.data, kind, rows, cols)
+        if self.native and dtype is None and kind not in ("F32", "F16", "BF16"):
+            self.dequantized.add(kind)
+            dtype = torch.bfloat16
         try:
             if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
                 array = t.data  # a view of the copy-on-write mapping: no copy
@@ -81,8 +93,9 @@ class GGUFFile:
         return out if dtype is None else out.to(dtype)
 
 
-def open_gguf(path: str) -> GGUFFile:
-    """Open and validate a GGUF file; any structural problem becomes a one-line ModelFileError."""
+def open_gguf(path: str, native: bool = False) -> GGUFFile:
+    """Open and validate a GGUF file; any structural problem becomes a one-line ModelFileError.
+    `native`: read quantized matrices as blocks (see `GGUFFile.tensor`)."""
     from gguf import GGUFReader
 
     if not os.path.isfile(path):
@@ -108,4 +121,4 @@ def open_gguf(path: str) -> GGUFFile:
             metadata[key] = field.contents()
         except Exception as e:
             raise ModelFileError(f"{path}: corrupt GGUF metadata field {key} ({e})") from None
-    return GGUFFile(path=path, metadata=metadata, _tensors=tensors)
+    return GGUFFile(path=path, metadata=metadata, _tensors=tensors, native=native)

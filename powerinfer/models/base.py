@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .cache import KVCache
 from .ffn import FFN, DenseFFN
-from ..ops import api
+from ..ops import api, quant
 from ..ops.linear import Linear
 
 _EMPTY_TABLE = np.zeros((1, 1), dtype=np.float32)
@@ -170,8 +170,9 @@ def half_split_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 class Model:
     """A loaded model: weights and the forward pass.
 
-    Matrices are stored in `dtype` (fp32, bf16 or fp16); norms, biases, activations and the
-    KV cache stay fp32, so half weights cost memory bandwidth only, not accuracy.
+    Matrices are stored in `dtype` (fp32, bf16 or fp16; None: as the checkpoint stores them,
+    GGUF quantized blocks included); norms, biases, activations and the KV cache stay fp32,
+    so half or quantized weights cost memory bandwidth only, not activation accuracy.
 
     `forward(tokens, cache)` appends `tokens` at position `cache.length` and returns logits,
     for the last token only unless `all_logits` (tests and perplexity need all).
@@ -198,6 +199,8 @@ class Model:
                 return None
             if on_tier:
                 return owned(w.to(device=t.device, dtype=t.dtype or dtype).contiguous(), w)
+            if dtype is None or quant.is_quantized(w):  # native: as the file stores it
+                return owned(w.contiguous(), w)
             return owned(w.to(dtype).contiguous(), w)
 
         def get32(name: str, on_tier: bool = False) -> torch.Tensor | None:
@@ -274,7 +277,10 @@ class Model:
 
     # -- forward -------------------------------------------------------------------------
     def embed_tokens(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        x = F.embedding(tokens.to(self.embed.device), self.embed).float().cpu()  # the residual stream is on the CPU
+        if quant.is_quantized(self.embed):
+            x = quant.embedding(self.embed, tokens)
+        else:  # the residual stream is on the CPU
+            x = F.embedding(tokens.to(self.embed.device), self.embed).float().cpu()
         if self.project_in is not None:
             x = self.project_in(x)
         if self.pos_embed is not None:

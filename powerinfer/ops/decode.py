@@ -15,12 +15,13 @@ activations and the KV cache are fp32. Empty bias arrays mean no bias.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
 from numba.extending import overload
 
 from .criterion import GATE
 from .cpu import _act, attend_head, dot4, gated_value, rms_norm, row_dot, write_kv
 from .panels import add_matvec_panels, in_features, matvec_into, out_features
+from .quant import add_matvec_q
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -89,8 +90,20 @@ def gated_hidden(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, h
     raise NotImplementedError("gated_hidden() is for numba kernels")
 
 
+@njit(parallel=True, fastmath=True, cache=True)
+def _gated_hidden_quant(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden):
+    """_gated_hidden for quantized w_in (ops/quant.py): all gate and up dots, then the values."""
+    pre = np.zeros(2 * n_ff, dtype=np.float32)
+    add_matvec_q(w_in, h, np.zeros(0, dtype=np.float32), pre)
+    for i in prange(n_ff):
+        hidden[i] = _gated_value(pre[i], pre[n_ff + i], i, n_ff, b_in, act_id, up_act_id, criterion, threshold)
+
+
 @overload(gated_hidden)
 def _gated_hidden_any(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):
+    if w_in.ndim == 3 and w_in.dtype == types.uint8:
+        return lambda h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads: (
+            _gated_hidden_quant(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden))
     if w_in.ndim == 3:
         return lambda h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads: (
             _gated_hidden_panels(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from . import cpu
 from .panels import gemv_any, threads
@@ -70,8 +69,7 @@ class Linear:
             for t in range(T):
                 gemv_any(kernel, xs[t], self.b_np, cpu.NO_BIAS if res is None else res[t], out[t], nt)
             return torch.from_numpy(out)
-        w = self.w.rows()
-        y = F.linear(x.to(w.dtype), w, None if self.bias is None else self.bias.to(w.dtype)).float()
+        y = self.w.matmul(x, self.bias)
         return y if residual is None else y + residual
 
     def tensors(self) -> list[torch.Tensor]:

@@ -23,12 +23,13 @@ import math
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit, prange, types
 from numba.extending import overload
 
 from .cpu import add_matvec
 from .memory import huge_empty
 from .numba_half import widen
+from .quant import add_matvec_q
 
 # Panel widths are multiples of 16 (one AVX-512 vector of fp32) that divide the row, at
 # least two panels per row, as near this as the row allows (512 was the fastest width;
@@ -130,6 +131,8 @@ def matvec_into(w, v, b, x, threads):  # pragma: no cover - only its numba overl
 
 @overload(matvec_into)
 def _matvec_into(w, v, b, x, threads):
+    if w.ndim == 3 and w.dtype == types.uint8:  # GGUF quantized blocks (ops/quant.py)
+        return lambda w, v, b, x, threads: add_matvec_q(w, v, b, x)
     if w.ndim == 3:
         return lambda w, v, b, x, threads: add_matvec_panels(w, v, b, x, threads)
     return lambda w, v, b, x, threads: add_matvec(w, v, b, x)
@@ -141,6 +144,8 @@ def out_features(w):  # pragma: no cover - only its numba overload runs
 
 @overload(out_features)
 def _out_features(w):
+    if w.ndim == 3 and w.dtype == types.uint8:
+        return lambda w: w.shape[0]
     if w.ndim == 3:
         return lambda w: w.shape[1]
     return lambda w: w.shape[0]
@@ -152,6 +157,8 @@ def in_features(w):  # pragma: no cover - only its numba overload runs
 
 @overload(in_features)
 def _in_features(w):
+    if w.ndim == 3 and w.dtype == types.uint8:
+        return lambda w: w.shape[1] * 32  # every quantized format here has blocks of 32
     if w.ndim == 3:
         return lambda w: w.shape[0] * w.shape[2]
     return lambda w: w.shape[1]

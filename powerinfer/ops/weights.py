@@ -4,12 +4,13 @@ A `Weight` is an (out, in) matrix stored one way:
 
 * `RowWeight`: row-major rows, fp32, bf16 or fp16, on any device (the torch route always
   works; on the CPU the numba kernels read it too);
-* `PanelWeight`: half rows re-laid in column panels (ops/panels.py) for the decode GEMV.
+* `PanelWeight`: half rows re-laid in column panels (ops/panels.py) for the decode GEMV;
+* `QuantWeight`: GGUF quantized blocks as they are in the file (ops/quant.py).
 
 What callers use is the same for every format: `kernel` (what the numba kernels take; the
 kernels choose their code path from its numpy type and rank, see panels.matvec_into),
-`rows()` (the matrix as fp32 rows for a torch GEMM, widened or re-laid per call when the
-storage is not that) and `tensors()`. `weight_for` is the one place that picks a format.
+`matmul(x, bias)` (a batch through torch's GEMM, widening or re-laying what the storage
+needs, tile by tile for quantized blocks) and `tensors()`. `weight_for` is the one place that picks a format.
 A new storage format is one new class here (or in its own module) with its kernels and
 their reference test, registered in `FORMATS`.
 """
@@ -21,7 +22,9 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from . import cpu
+import torch.nn.functional as F
+
+from . import cpu, quant
 from .memory import on_huge_pages
 from .numba_half import numpy_weights
 from .panels import panel_width, rows_from_panels, to_panels
@@ -49,6 +52,11 @@ class Weight:
         """(out, in) for a torch GEMM: fp32 on the CPU (its half GEMMs are slow), the stored
         dtype elsewhere."""
         raise NotImplementedError
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (T, in) W^T + bias as fp32 (T, out), through torch's GEMM."""
+        w = self.rows()
+        return F.linear(x.to(w.dtype), w, None if bias is None else bias.to(w.dtype)).float()
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.stored]
@@ -78,13 +86,35 @@ class PanelWeight(Weight):
         return rows_from_panels(self.stored)
 
 
-FORMATS: dict[str, type[Weight]] = {"rows": RowWeight, "panels": PanelWeight}
+class QuantWeight(Weight):
+    """GGUF quantized blocks (rows, blocks, block bytes), as mapped from the file."""
+
+    format = "quant"
+
+    def __init__(self, t: torch.Tensor):
+        super().__init__(t, quant.shape_of(t), t.numpy() if t.device.type == "cpu" else None)
+        self.quant_format = quant.format_of(t)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def rows(self) -> torch.Tensor:
+        return quant.dequantize(self.stored)  # tests and tools only: the engine never calls it
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return quant.matmul(self.stored, x, bias)
+
+
+FORMATS: dict[str, type[Weight]] = {"rows": RowWeight, "panels": PanelWeight, "quant": QuantWeight}
 
 
 def weight_for(t: torch.Tensor, kernels: bool = True) -> Weight:
     """The storage format for matrix `t`: panels for half weights the CPU kernels read (when
     a panel width divides the row), rows otherwise. `kernels=False`: rows for the torch route
-    only (the GPU tier, also when it is CPU tensors in tests)."""
+    only (the GPU tier, also when it is CPU tensors in tests). Quantized blocks stay blocks."""
+    if quant.is_quantized(t):
+        return QuantWeight(t)
     if kernels and cpu.supports(t) and t.dtype != torch.float32 and panel_width(int(t.shape[1])) > 0:
         return PanelWeight(t)
     return RowWeight(t, kernels)

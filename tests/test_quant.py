@@ -1,0 +1,109 @@
+"""GGUF quantized blocks kept as they are (ops/quant.py): every kernel against its reference
+twin (gguf's dequantize, then the fp32 op), every format, odd shapes, 1 and 2 threads; and
+the dense engine on the default model's own Q4_1/Q8_0 weights against the fp32 path."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from powerinfer.ops import cpu, decode, panels, quant, reference
+from powerinfer.ops.activations import activation_id
+from powerinfer.ops.linear import Linear
+from powerinfer.ops.weights import QuantWeight, weight_for
+
+FORMATS = list(quant.FORMATS)
+
+
+def quantized(rows: int, cols: int, fmt: str, seed: int = 0) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, cols)) / cols**0.5).astype(np.float32)
+    q = quantize(w, GGMLQuantizationType[fmt])
+    return quant.from_gguf(q, fmt, rows, cols)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows,cols", [(1, 32), (7, 96), (130, 576), (67, 1536)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemv_matches_reference(fmt, rows, cols, threads):
+    t = quantized(rows, cols, fmt, seed=rows)
+    assert quant.format_of(t) == fmt and quant.shape_of(t) == (rows, cols)
+    dense = quant.dequantize(t)
+    x = torch.randn(cols, generator=torch.Generator().manual_seed(1))
+    b = torch.randn(rows)
+    res = torch.randn(rows)
+    out = np.empty(rows, dtype=np.float32)
+    numba.set_num_threads(threads)
+    try:
+        panels.gemv_any(t.numpy(), x.numpy(), b.numpy(), res.numpy(), out, threads)
+    finally:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    torch.testing.assert_close(torch.from_numpy(out), reference.gemv(dense, x, b, res), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_rows_and_tiled_matmul_match_reference(fmt, monkeypatch):
+    t = quantized(300, 96, fmt)
+    dense = quant.dequantize(t)
+    out = np.empty((5, 96), dtype=np.float32)
+    quant.dequantize_rows(t.numpy(), 17, out)
+    torch.testing.assert_close(torch.from_numpy(out), dense[17:22])
+    monkeypatch.setattr(quant, "TILE_ROWS", 64)  # several tiles and a short last one
+    x = torch.randn(9, 96)
+    b = torch.randn(300)
+    torch.testing.assert_close(quant.matmul(t, x, b), x @ dense.t() + b, atol=1e-4, rtol=1e-4)
+    ids = torch.tensor([0, 299, 5, 5])
+    torch.testing.assert_close(quant.embedding(t, ids), dense[ids])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_on_quantized_blocks(fmt):
+    t = quantized(70, 128, fmt)
+    w = weight_for(t)
+    assert isinstance(w, QuantWeight) and w.quant_format == fmt and w.shape == (70, 128)
+    lin = Linear(w, torch.randn(70))
+    dense = Linear(quant.dequantize(t), lin.bias)
+    for tokens in (1, 3, 12):  # one GEMV per token, and the tiled GEMM
+        x = torch.randn(tokens, 128)
+        torch.testing.assert_close(lin(x), dense(x), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_decode_kernels_read_quantized_blocks(fmt):
+    """The one-call dense FFN and attention block take quantized weights as they take rows."""
+    d, n_ff = 64, 96
+    w_in, w_out = quantized(2 * n_ff, d, fmt, 1), quantized(d, n_ff, fmt, 2)
+    h = np.random.default_rng(3).standard_normal(d).astype(np.float32)
+    x = np.zeros(d, dtype=np.float32)
+    decode.dense_ffn(h, w_in.numpy(), cpu.NO_BIAS, w_out.numpy(), cpu.NO_BIAS, True, activation_id("silu"), -1, 0,
+                     np.float32(0.0), x, panels.threads())
+    g = quant.dequantize(w_in) @ torch.from_numpy(h)
+    expected = quant.dequantize(w_out) @ (torch.nn.functional.silu(g[:n_ff]) * g[n_ff:])
+    torch.testing.assert_close(torch.from_numpy(x), expected, atol=2e-4, rtol=1e-4)
+
+
+def test_default_model_runs_on_its_own_blocks(smollm2_path):
+    """The embedded Q4_1 model (Q8_0 embeddings) in native dtype: blocks, no float copies,
+    logits close to the dequantize-to-fp32 path, the same greedy tokens."""
+    import powerinfer
+
+    native = powerinfer.load(smollm2_path, dtype="native")
+    ref = powerinfer.load(smollm2_path, dtype="fp32")
+    m = native.model
+    assert all(isinstance(lin.w, QuantWeight) for layer in m.layers for lin in (layer.attn.qkv, layer.attn.o,
+                                                                               layer.ffn.w_in, layer.ffn.w_out))
+    assert m.layers[0].attn.qkv.w.quant_format == "Q4_1" and m.lm_head.w.quant_format == "Q8_0"
+    assert not any(t.is_floating_point() and t.dim() == 2 and t.numel() > 100_000 for t in m.tensors())
+    ids = torch.tensor(ref.tokenizer.encode("The capital of France is"))
+    torch.testing.assert_close(m.forward(ids, m.new_cache(64), all_logits=True),
+                               ref.model.forward(ids, ref.model.new_cache(64), all_logits=True), atol=1e-3, rtol=1e-3)
+    cache_n, cache_r = m.new_cache(64), ref.model.new_cache(64)
+    for tok in ids:  # decode: the numba block kernels
+        torch.testing.assert_close(m.forward(tok[None], cache_n), ref.model.forward(tok[None], cache_r), atol=2e-3,
+                                   rtol=1e-3)
+    kw = dict(max_tokens=24, temperature=0)
+    assert powerinfer.generate(native, "Why is the sky blue?", **kw) == powerinfer.generate(ref, "Why is the sky blue?", **kw)

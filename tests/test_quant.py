@@ -19,19 +19,34 @@ from powerinfer.ops.weights import QuantWeight, weight_for
 FORMATS = list(quant.FORMATS)
 
 
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
 def quantized(rows: int, cols: int, fmt: str, seed: int = 0) -> torch.Tensor:
+    """Random weights in `fmt`: quantized by gguf where it can, else (K-quants, which gguf only
+    dequantizes) random blocks with small valid fp16 scales."""
     rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((rows, cols)) / cols**0.5).astype(np.float32)
-    q = quantize(w, GGMLQuantizationType[fmt])
-    return quant.from_gguf(q, fmt, rows, cols)
+    per, nbytes = quant.FORMATS[fmt]
+    cols = -(-cols // per) * per
+    if fmt not in K_QUANTS:
+        w = (rng.standard_normal((rows, cols)) / cols**0.5).astype(np.float32)
+        return quant.from_gguf(quantize(w, GGMLQuantizationType[fmt]), fmt, rows, cols)
+    q = rng.integers(0, 256, (rows, cols // per, nbytes), dtype=np.uint8)
+    scales = np.frombuffer(np.array([0.01, 0.004], dtype=np.float16).tobytes(), dtype=np.uint8)
+    if fmt == "Q6_K":
+        q[:, :, 208:210] = scales[:2]
+    else:
+        q[:, :, 0:4] = scales
+    return torch.from_numpy(q)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows,cols", [(1, 32), (7, 96), (130, 576), (67, 1536)])
+@pytest.mark.parametrize("rows,cols", [(1, 32), (7, 96), (130, 576), (67, 1536)])  # K-quants: cols up to 256s
 @pytest.mark.parametrize("threads", [1, 2])
 def test_gemv_matches_reference(fmt, rows, cols, threads):
     t = quantized(rows, cols, fmt, seed=rows)
-    assert quant.format_of(t) == fmt and quant.shape_of(t) == (rows, cols)
+    cols = quant.shape_of(t)[1]
+    assert quant.format_of(t) == fmt and quant.shape_of(t)[0] == rows
     dense = quant.dequantize(t)
     x = torch.randn(cols, generator=torch.Generator().manual_seed(1))
     b = torch.randn(rows)
@@ -48,12 +63,13 @@ def test_gemv_matches_reference(fmt, rows, cols, threads):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantize_rows_and_tiled_matmul_match_reference(fmt, monkeypatch):
     t = quantized(300, 96, fmt)
+    cols = quant.shape_of(t)[1]
     dense = quant.dequantize(t)
-    out = np.empty((5, 96), dtype=np.float32)
+    out = np.empty((5, cols), dtype=np.float32)
     quant.dequantize_rows(t.numpy(), 17, out)
     torch.testing.assert_close(torch.from_numpy(out), dense[17:22])
     monkeypatch.setattr(quant, "TILE_ROWS", 64)  # several tiles and a short last one
-    x = torch.randn(9, 96)
+    x = torch.randn(9, cols)
     b = torch.randn(300)
     torch.testing.assert_close(quant.matmul(t, x, b), x @ dense.t() + b, atol=1e-4, rtol=1e-4)
     ids = torch.tensor([0, 299, 5, 5])
@@ -63,19 +79,20 @@ def test_dequantize_rows_and_tiled_matmul_match_reference(fmt, monkeypatch):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_linear_on_quantized_blocks(fmt):
     t = quantized(70, 128, fmt)
+    cols = quant.shape_of(t)[1]
     w = weight_for(t)
-    assert isinstance(w, QuantWeight) and w.quant_format == fmt and w.shape == (70, 128)
+    assert isinstance(w, QuantWeight) and w.quant_format == fmt and w.shape == (70, cols)
     lin = Linear(w, torch.randn(70))
     dense = Linear(quant.dequantize(t), lin.bias)
     for tokens in (1, 3, 12):  # one GEMV per token, and the tiled GEMM
-        x = torch.randn(tokens, 128)
+        x = torch.randn(tokens, cols)
         torch.testing.assert_close(lin(x), dense(x), atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fused_decode_kernels_read_quantized_blocks(fmt):
     """The one-call dense FFN and attention block take quantized weights as they take rows."""
-    d, n_ff = 64, 96
+    d = n_ff = 256
     w_in, w_out = quantized(2 * n_ff, d, fmt, 1), quantized(d, n_ff, fmt, 2)
     h = np.random.default_rng(3).standard_normal(d).astype(np.float32)
     x = np.zeros(d, dtype=np.float32)

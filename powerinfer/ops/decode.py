@@ -91,10 +91,10 @@ def gated_hidden(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, h
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _gated_hidden_quant(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden):
+def _gated_hidden_quant(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):
     """_gated_hidden for quantized w_in (ops/quant.py): all gate and up dots, then the values."""
     pre = np.zeros(2 * n_ff, dtype=np.float32)
-    add_matvec_q(w_in, h, np.zeros(0, dtype=np.float32), pre)
+    add_matvec_q(w_in, h, np.zeros(0, dtype=np.float32), pre, threads)
     for i in prange(n_ff):
         hidden[i] = _gated_value(pre[i], pre[n_ff + i], i, n_ff, b_in, act_id, up_act_id, criterion, threshold)
 
@@ -103,7 +103,7 @@ def _gated_hidden_quant(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, thres
 def _gated_hidden_any(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):
     if w_in.ndim == 3 and w_in.dtype == types.uint8:
         return lambda h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads: (
-            _gated_hidden_quant(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden))
+            _gated_hidden_quant(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads))
     if w_in.ndim == 3:
         return lambda h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads: (
             _gated_hidden_panels(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads))

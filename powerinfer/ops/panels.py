@@ -132,7 +132,7 @@ def matvec_into(w, v, b, x, threads):  # pragma: no cover - only its numba overl
 @overload(matvec_into)
 def _matvec_into(w, v, b, x, threads):
     if w.ndim == 3 and w.dtype == types.uint8:  # GGUF quantized blocks (ops/quant.py)
-        return lambda w, v, b, x, threads: add_matvec_q(w, v, b, x)
+        return lambda w, v, b, x, threads: add_matvec_q(w, v, b, x, threads)
     if w.ndim == 3:
         return lambda w, v, b, x, threads: add_matvec_panels(w, v, b, x, threads)
     return lambda w, v, b, x, threads: add_matvec(w, v, b, x)

@@ -17,13 +17,12 @@ the array's type (3-D uint8) and at run time from one number:
 | Q5_K | 176: half d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128] | 256 | as Q4_K with a fifth bit from qh |
 | Q6_K | 210: u8 ql[128]; u8 qh[64]; i8 scales[16]; half d | 256 | 16 sub-blocks of 16: d sc (q - 32) |
 
-The GEMV widens each block to fp32 in registers and multiplies by the fp32 activations, four
-rows per step so that a block of x is read once for four rows (the layout of cpu.add_matvec;
-docs/BENCHMARKS.md measures the alternatives, including int8 activations, which numba
-cannot turn into VNNI dot products). Per block, sum((q - 8) x) = sum(q x) - 8 sum(x) and
-sum((q d + m) x) = d sum(q x) + m sum(x): the block sums of x are taken once per call, so the
-inner loop is one multiply-add per weight. Batches (prefill) widen a tile of rows at a time
-into a reused fp32 buffer for torch's GEMM: no float copy of a whole matrix is kept or made.
+The GEMV widens each block to fp32 in registers (8-bit integer ops, see `_byte_to_float`)
+and multiplies by the fp32 activations, four rows per step; the K-quants and Q5 formats
+widen whole rows into a small fp32 scratch first (correct, not yet fast). Activations are not quantized to int8 as llama.cpp
+does: numba cannot emit VNNI integer dot products, and widening keeps the result equal to
+the dequantize-then-fp32 reference. Batches (prefill) widen a tile of rows at a time into
+a reused fp32 buffer for torch's GEMM: no float copy of a whole matrix is kept or made.
 Every kernel's reference twin is `dequantize` (the gguf package's) and the fp32 op.
 """
 
@@ -87,6 +86,36 @@ def _half(typingctx, lo, hi):
     return sig, codegen
 
 
+def _byte_to_float(kind: str):
+    """An intrinsic widening one uint8 to fp32 in 8-bit integer ops: its low nibble, high
+    nibble, or the byte as int8. numba would widen the integer to 64 bits first, and LLVM
+    does not vectorise 64-bit integer-to-float conversions; in 8 bits it does."""
+
+    @intrinsic
+    def widen_byte(typingctx, q):
+        if q != types.uint8:
+            return None
+
+        def codegen(context, builder, signature, args):
+            v = args[0]
+            if kind == "lo":
+                return builder.sitofp(builder.zext(builder.and_(v, ir.Constant(ir.IntType(8), 15)), ir.IntType(32)),
+                                      ir.FloatType())
+            if kind == "hi":
+                return builder.sitofp(builder.zext(builder.lshr(v, ir.Constant(ir.IntType(8), 4)), ir.IntType(32)),
+                                      ir.FloatType())
+            if kind == "u8":
+                return builder.sitofp(builder.zext(v, ir.IntType(32)), ir.FloatType())
+            return builder.sitofp(builder.sext(v, ir.IntType(32)), ir.FloatType())
+
+        return types.float32(types.uint8), codegen
+
+    return widen_byte
+
+
+_lo, _hi, _s8, _u8 = _byte_to_float("lo"), _byte_to_float("hi"), _byte_to_float("s8"), _byte_to_float("u8")
+
+
 @njit(inline="always", fastmath=True)
 def _block_sums(v, nb):
     """sum(v[32 b : 32 b + 32]) for every block b."""
@@ -99,22 +128,163 @@ def _block_sums(v, nb):
     return s
 
 
-@njit(inline="always", fastmath=True)
-def _nibble_dot(w, r, b, off, v, base):
-    """sum over the block's 32 nibbles q of q * v (low nibbles 0-15, high 16-31)."""
+@njit(fastmath=True)
+def _q4_0_dot(w, r, b, v, base):
     acc = np.float32(0.0)
     for j in range(16):
-        q = w[r, b, off + j]
-        acc += np.float32(q & 15) * v[base + j] + np.float32(q >> 4) * v[base + 16 + j]
+        q = w[r, b, 2 + j]
+        acc += _lo(q) * v[base + j] + _hi(q) * v[base + 16 + j]
+    return acc
+
+
+@njit(fastmath=True)
+def _q4_1_dot(w, r, b, v, base):
+    acc = np.float32(0.0)
+    for j in range(16):
+        q = w[r, b, 4 + j]
+        acc += _lo(q) * v[base + j] + _hi(q) * v[base + 16 + j]
+    return acc
+
+
+@njit(fastmath=True)
+def _q8_0_dot(w, r, b, v, base):
+    acc = np.float32(0.0)
+    for j in range(32):  # int8 as uint8 minus 256 where negative: the form LLVM vectorises
+        u = _u8(w[r, b, 2 + j])
+        acc += (u - np.float32(256.0) if u >= np.float32(128.0) else u) * v[base + j]
+    return acc
+
+
+@njit(fastmath=True)
+def _small_row_dot(w, r, v, xs):
+    """Row r (Q4_0, Q4_1, Q8_0) dotted with v: per block, sum((q - 8) d x) =
+    d (sum(q x) - 8 sum(x)) and sum((q d + m) x) = d sum(q x) + m sum(x), the block sums of x
+    (xs) taken once per call, so the inner loop is a multiply-add per weight. Called, not
+    inlined: the block dots then vectorise (measured, docs/BENCHMARKS.md)."""
+    nb, bb = w.shape[1], w.shape[2]
+    acc = np.float32(0.0)
+    if bb == 18:
+        for b in range(nb):
+            acc += _half(w[r, b, 0], w[r, b, 1]) * (_q4_0_dot(w, r, b, v, 32 * b) - np.float32(8.0) * xs[b])
+    elif bb == 20:
+        for b in range(nb):
+            acc += _half(w[r, b, 0], w[r, b, 1]) * _q4_1_dot(w, r, b, v, 32 * b) + _half(w[r, b, 2], w[r, b, 3]) * xs[b]
+    else:
+        for b in range(nb):
+            acc += _half(w[r, b, 0], w[r, b, 1]) * _q8_0_dot(w, r, b, v, 32 * b)
     return acc
 
 
 @njit(inline="always", fastmath=True)
-def _int8_dot(w, r, b, v, base):
-    acc = np.float32(0.0)
-    for j in range(32):
-        acc += np.float32(np.int8(w[r, b, 2 + j])) * v[base + j]
-    return acc
+def _dequant_small_block(w, r, b, out, base):
+    """Block b of row r (Q4_0, Q4_1, Q8_0) as 32 fp32 values at out[base:]."""
+    bb = w.shape[2]
+    d = _half(w[r, b, 0], w[r, b, 1])
+    if bb == 34:
+        for j in range(32):
+            out[base + j] = d * _s8(w[r, b, 2 + j])
+        return
+    off = 2 if bb == 18 else 4
+    m = np.float32(-8.0) * d if bb == 18 else _half(w[r, b, 2], w[r, b, 3])
+    for j in range(16):
+        q = w[r, b, off + j]
+        out[base + j] = d * _lo(q) + m
+        out[base + 16 + j] = d * _hi(q) + m
+
+
+@njit(fastmath=True)
+def dequantize_row(w, r, out):
+    """Row r of quantized w as fp32 into out (cols,)."""
+    bb = w.shape[2]
+    if bb == 18 or bb == 20 or bb == 34:
+        for b in range(w.shape[1]):
+            _dequant_small_block(w, r, b, out, 32 * b)
+    else:
+        _dequantize_row_generic(w, r, out)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def add_matvec_q(w, v, b, x, threads):
+    """x += W v (+ b) for quantized W, in parallel.
+
+    Q4_0, Q4_1, Q8_0: the blocks' dots directly (only loads, so LLVM vectorises them).
+    The other formats: each thread widens four of its rows into an L1-resident fp32 scratch,
+    then dots them with v in one pass."""
+    n, nb, bb = w.shape[0], w.shape[1], w.shape[2]
+    cols = v.shape[0]
+    has_b = b.shape[0] > 0
+    if bb == 18 or bb == 20 or bb == 34:
+        xs = _block_sums(v, nb)
+        q = n // 4
+        for i in prange(q):  # rows i, i+q, i+2q, i+3q: four streams, each block of v read once
+            a0 = a1 = a2 = a3 = np.float32(0.0)
+            if bb == 20:
+                for blk in range(nb):
+                    base, s = 32 * blk, xs[blk]
+                    a0 += _half(w[i, blk, 0], w[i, blk, 1]) * _q4_1_dot(w, i, blk, v, base) + _half(
+                        w[i, blk, 2], w[i, blk, 3]) * s
+                    a1 += _half(w[i + q, blk, 0], w[i + q, blk, 1]) * _q4_1_dot(w, i + q, blk, v, base) + _half(
+                        w[i + q, blk, 2], w[i + q, blk, 3]) * s
+                    a2 += _half(w[i + 2 * q, blk, 0], w[i + 2 * q, blk, 1]) * _q4_1_dot(w, i + 2 * q, blk, v, base) + _half(
+                        w[i + 2 * q, blk, 2], w[i + 2 * q, blk, 3]) * s
+                    a3 += _half(w[i + 3 * q, blk, 0], w[i + 3 * q, blk, 1]) * _q4_1_dot(w, i + 3 * q, blk, v, base) + _half(
+                        w[i + 3 * q, blk, 2], w[i + 3 * q, blk, 3]) * s
+            elif bb == 18:
+                for blk in range(nb):
+                    base, e = 32 * blk, np.float32(8.0) * xs[blk]
+                    a0 += _half(w[i, blk, 0], w[i, blk, 1]) * (_q4_0_dot(w, i, blk, v, base) - e)
+                    a1 += _half(w[i + q, blk, 0], w[i + q, blk, 1]) * (_q4_0_dot(w, i + q, blk, v, base) - e)
+                    a2 += _half(w[i + 2 * q, blk, 0], w[i + 2 * q, blk, 1]) * (_q4_0_dot(w, i + 2 * q, blk, v, base) - e)
+                    a3 += _half(w[i + 3 * q, blk, 0], w[i + 3 * q, blk, 1]) * (_q4_0_dot(w, i + 3 * q, blk, v, base) - e)
+            else:
+                for blk in range(nb):
+                    base = 32 * blk
+                    a0 += _half(w[i, blk, 0], w[i, blk, 1]) * _q8_0_dot(w, i, blk, v, base)
+                    a1 += _half(w[i + q, blk, 0], w[i + q, blk, 1]) * _q8_0_dot(w, i + q, blk, v, base)
+                    a2 += _half(w[i + 2 * q, blk, 0], w[i + 2 * q, blk, 1]) * _q8_0_dot(w, i + 2 * q, blk, v, base)
+                    a3 += _half(w[i + 3 * q, blk, 0], w[i + 3 * q, blk, 1]) * _q8_0_dot(w, i + 3 * q, blk, v, base)
+            x[i] += a0
+            x[i + q] += a1
+            x[i + 2 * q] += a2
+            x[i + 3 * q] += a3
+        for i in range(4 * q, n):
+            x[i] += _small_row_dot(w, i, v, xs)
+    else:
+        for t in prange(threads):
+            lo, hi = t * n // threads, (t + 1) * n // threads
+            buf = np.empty((4, cols), dtype=np.float32)
+            i = lo
+            while i < hi:
+                k_n = min(4, hi - i)
+                for k in range(k_n):
+                    dequantize_row(w, i + k, buf[k])
+                for k in range(k_n, 4):
+                    buf[k, :] = 0.0
+                a0 = a1 = a2 = a3 = np.float32(0.0)
+                for j in range(cols):
+                    vj = v[j]
+                    a0 += buf[0, j] * vj
+                    a1 += buf[1, j] * vj
+                    a2 += buf[2, j] * vj
+                    a3 += buf[3, j] * vj
+                x[i] += a0
+                if k_n > 1:
+                    x[i + 1] += a1
+                if k_n > 2:
+                    x[i + 2] += a2
+                if k_n > 3:
+                    x[i + 3] += a3
+                i += k_n
+    if has_b:
+        for k in range(n):
+            x[k] += b[k]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def dequantize_rows(w, r0, out):
+    """out[k] = row r0 + k of quantized w as fp32, for every row of `out` (rows, cols)."""
+    for k in prange(out.shape[0]):
+        dequantize_row(w, r0 + k, out[k])
 
 
 @njit(inline="always")
@@ -128,179 +298,6 @@ def _scale_min_k4(w, r, b, j):
 
 
 @njit(fastmath=True)
-def _kq_block_dot(w, r, b, v, base):
-    """One 256-weight K-quant block (Q4_K, Q5_K, Q6_K) of row r dotted with v[base:]."""
-    bb = w.shape[2]
-    acc = np.float32(0.0)
-    if bb == 210:  # Q6_K: ql[128] qh[64] scales[16] d; sub-blocks of 16
-        d = _half(w[r, b, 208], w[r, b, 209])
-        for half in range(2):
-            ql, qh, sc, y = 64 * half, 128 + 32 * half, 192 + 8 * half, base + 128 * half
-            for i in range(2):  # weights l in [16 i, 16 i + 16): sub-blocks i, i+2, i+4, i+6
-                s0 = s1 = s2 = s3 = x0 = x1 = x2 = x3 = np.float32(0.0)
-                for l in range(16 * i, 16 * i + 16):
-                    h = np.int32(w[r, b, qh + l])
-                    lo, hi = np.int32(w[r, b, ql + l]), np.int32(w[r, b, ql + l + 32])
-                    s0 += np.float32((lo & 15) | ((h & 3) << 4)) * v[y + l]
-                    s1 += np.float32((hi & 15) | (((h >> 2) & 3) << 4)) * v[y + l + 32]
-                    s2 += np.float32((lo >> 4) | (((h >> 4) & 3) << 4)) * v[y + l + 64]
-                    s3 += np.float32((hi >> 4) | (((h >> 6) & 3) << 4)) * v[y + l + 96]
-                    x0 += v[y + l]
-                    x1 += v[y + l + 32]
-                    x2 += v[y + l + 64]
-                    x3 += v[y + l + 96]
-                thirty_two = np.float32(32.0)  # q - 32: subtract 32 sum(v) per sub-block
-                acc += d * (np.float32(np.int8(w[r, b, sc + i])) * (s0 - thirty_two * x0)
-                            + np.float32(np.int8(w[r, b, sc + i + 2])) * (s1 - thirty_two * x1)
-                            + np.float32(np.int8(w[r, b, sc + i + 4])) * (s2 - thirty_two * x2)
-                            + np.float32(np.int8(w[r, b, sc + i + 6])) * (s3 - thirty_two * x3))
-        return acc
-    d, dmin = _half(w[r, b, 0], w[r, b, 1]), _half(w[r, b, 2], w[r, b, 3])
-    qs = 16 if bb == 144 else 48
-    for p in range(4):  # pairs of sub-blocks: low nibbles, then high nibbles of 32 bytes
-        sc0, m0 = _scale_min_k4(w, r, b, 2 * p)
-        sc1, m1 = _scale_min_k4(w, r, b, 2 * p + 1)
-        y = base + 64 * p
-        d0 = d1 = x0 = x1 = np.float32(0.0)
-        for l in range(32):
-            q = w[r, b, qs + 32 * p + l]
-            lo, hi = np.float32(q & 15), np.float32(q >> 4)
-            if bb == 176:  # Q5_K: the fifth bit of weight l of sub-blocks 2p and 2p+1
-                h = w[r, b, 16 + l]
-                lo += np.float32(16.0) * np.float32((h >> (2 * p)) & 1)
-                hi += np.float32(16.0) * np.float32((h >> (2 * p + 1)) & 1)
-            d0 += lo * v[y + l]
-            d1 += hi * v[y + 32 + l]
-            x0 += v[y + l]
-            x1 += v[y + 32 + l]
-        acc += d * (sc0 * d0 + sc1 * d1) - dmin * (m0 * x0 + m1 * x1)
-    return acc
-
-
-@njit(inline="always", fastmath=True)
-def _q5_block_dot(w, r, b, v, base):
-    """sum of the block's 5-bit values q (before offset and scale) times v (Q5_0, Q5_1)."""
-    off = 6 if w.shape[2] == 22 else 8
-    qh = (np.uint32(w[r, b, off - 4]) | (np.uint32(w[r, b, off - 3]) << np.uint32(8))
-          | (np.uint32(w[r, b, off - 2]) << np.uint32(16)) | (np.uint32(w[r, b, off - 1]) << np.uint32(24)))
-    acc = np.float32(0.0)
-    for j in range(16):
-        q = w[r, b, off + j]
-        lo = np.float32(q & 15) + np.float32(16.0) * np.float32((qh >> np.uint32(j)) & np.uint32(1))
-        hi = np.float32(q >> 4) + np.float32(16.0) * np.float32((qh >> np.uint32(j + 16)) & np.uint32(1))
-        acc += lo * v[base + j] + hi * v[base + 16 + j]
-    return acc
-
-
-@njit(inline="always", fastmath=True)
-def q_row_dot(w, r, v, xs):
-    """Row r of quantized w dotted with v; xs: v's block sums of 32 (_block_sums)."""
-    nb, bb = w.shape[1], w.shape[2]
-    acc = np.float32(0.0)
-    if bb == 22:
-        for b in range(nb):
-            acc += _half(w[r, b, 0], w[r, b, 1]) * (_q5_block_dot(w, r, b, v, 32 * b) - np.float32(16.0) * xs[b])
-    elif bb == 24:
-        for b in range(nb):
-            acc += _half(w[r, b, 0], w[r, b, 1]) * _q5_block_dot(w, r, b, v, 32 * b) + _half(w[r, b, 2], w[r, b, 3]) * xs[b]
-    elif bb >= 144:
-        for b in range(nb):
-            acc += _kq_block_dot(w, r, b, v, 256 * b)
-    elif bb == 18:
-        for b in range(nb):
-            acc += _half(w[r, b, 0], w[r, b, 1]) * (_nibble_dot(w, r, b, 2, v, 32 * b) - np.float32(8.0) * xs[b])
-    elif bb == 20:
-        for b in range(nb):
-            acc += _half(w[r, b, 0], w[r, b, 1]) * _nibble_dot(w, r, b, 4, v, 32 * b) + _half(w[r, b, 2], w[r, b, 3]) * xs[b]
-    else:
-        for b in range(nb):
-            acc += _half(w[r, b, 0], w[r, b, 1]) * _int8_dot(w, r, b, v, 32 * b)
-    return acc
-
-
-@njit(inline="always", fastmath=True)
-def _q_dot4(w, r0, r1, r2, r3, v, xs):
-    """Four rows dotted with v in one pass over v's blocks."""
-    nb, bb = w.shape[1], w.shape[2]
-    a0 = a1 = a2 = a3 = np.float32(0.0)
-    if bb == 18:
-        for b in range(nb):
-            base = 32 * b
-            e = np.float32(8.0) * xs[b]
-            a0 += _half(w[r0, b, 0], w[r0, b, 1]) * (_nibble_dot(w, r0, b, 2, v, base) - e)
-            a1 += _half(w[r1, b, 0], w[r1, b, 1]) * (_nibble_dot(w, r1, b, 2, v, base) - e)
-            a2 += _half(w[r2, b, 0], w[r2, b, 1]) * (_nibble_dot(w, r2, b, 2, v, base) - e)
-            a3 += _half(w[r3, b, 0], w[r3, b, 1]) * (_nibble_dot(w, r3, b, 2, v, base) - e)
-    elif bb == 20:
-        for b in range(nb):
-            base, s = 32 * b, xs[b]
-            a0 += _half(w[r0, b, 0], w[r0, b, 1]) * _nibble_dot(w, r0, b, 4, v, base) + _half(w[r0, b, 2], w[r0, b, 3]) * s
-            a1 += _half(w[r1, b, 0], w[r1, b, 1]) * _nibble_dot(w, r1, b, 4, v, base) + _half(w[r1, b, 2], w[r1, b, 3]) * s
-            a2 += _half(w[r2, b, 0], w[r2, b, 1]) * _nibble_dot(w, r2, b, 4, v, base) + _half(w[r2, b, 2], w[r2, b, 3]) * s
-            a3 += _half(w[r3, b, 0], w[r3, b, 1]) * _nibble_dot(w, r3, b, 4, v, base) + _half(w[r3, b, 2], w[r3, b, 3]) * s
-    elif bb == 34:
-        for b in range(nb):
-            base = 32 * b
-            a0 += _half(w[r0, b, 0], w[r0, b, 1]) * _int8_dot(w, r0, b, v, base)
-            a1 += _half(w[r1, b, 0], w[r1, b, 1]) * _int8_dot(w, r1, b, v, base)
-            a2 += _half(w[r2, b, 0], w[r2, b, 1]) * _int8_dot(w, r2, b, v, base)
-            a3 += _half(w[r3, b, 0], w[r3, b, 1]) * _int8_dot(w, r3, b, v, base)
-    else:  # Q5_0, Q5_1 and the K-quants: one row at a time
-        a0, a1, a2, a3 = q_row_dot(w, r0, v, xs), q_row_dot(w, r1, v, xs), q_row_dot(w, r2, v, xs), q_row_dot(w, r3, v, xs)
-    return a0, a1, a2, a3
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def add_matvec_q(w, v, b, x):
-    """x += W v (+ b) for quantized W, in parallel; step i reads rows i, i+q, i+2q, i+3q
-    (four distant streams per thread, as cpu.add_matvec)."""
-    n = w.shape[0]
-    xs = _block_sums(v, v.shape[0] // 32)
-    q = n // 4
-    has_b = b.shape[0] > 0
-    for i in prange(q):
-        a0, a1, a2, a3 = _q_dot4(w, i, i + q, i + 2 * q, i + 3 * q, v, xs)
-        if has_b:
-            a0 += b[i]
-            a1 += b[i + q]
-            a2 += b[i + 2 * q]
-            a3 += b[i + 3 * q]
-        x[i] += a0
-        x[i + q] += a1
-        x[i + 2 * q] += a2
-        x[i + 3 * q] += a3
-    for i in range(4 * q, n):
-        acc = q_row_dot(w, i, v, xs)
-        if has_b:
-            acc += b[i]
-        x[i] += acc
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def dequantize_rows(w, r0, out):
-    """out[k] = row r0 + k of quantized w as fp32, for every row of `out` (rows, cols)."""
-    nb, bb = w.shape[1], w.shape[2]
-    for k in prange(out.shape[0]):
-        r = r0 + k
-        if bb == 22 or bb == 24 or bb >= 144:
-            _dequantize_row_generic(w, r, out[k])
-            continue
-        for b in range(nb):
-            d = _half(w[r, b, 0], w[r, b, 1])
-            base = 32 * b
-            if bb == 34:
-                for j in range(32):
-                    out[k, base + j] = d * np.float32(np.int8(w[r, b, 2 + j]))
-            else:
-                off = 2 if bb == 18 else 4
-                m = np.float32(-8.0) * d if bb == 18 else _half(w[r, b, 2], w[r, b, 3])
-                for j in range(16):
-                    qb = w[r, b, off + j]
-                    out[k, base + j] = d * np.float32(qb & 15) + m
-                    out[k, base + 16 + j] = d * np.float32(qb >> 4) + m
-
-
-@njit
 def _dequantize_row_generic(w, r, out):
     """Row r as fp32 for Q5_0, Q5_1 and the K-quants (ggml's dequantize_row_*)."""
     nb, bb = w.shape[1], w.shape[2]

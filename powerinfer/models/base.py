@@ -410,7 +410,8 @@ class Model:
         for t in self.tensors():
             if id(t) not in seen:
                 seen.add(id(t))
-                total += t.numel()
+                rows, cols = quant.shape_of(t) if quant.is_quantized(t) else (t.numel(), 1)
+                total += rows * cols
         return total
 
     def tensors(self) -> list[torch.Tensor]:

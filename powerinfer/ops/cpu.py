@@ -1,7 +1,7 @@
 """CPU kernels in numba (parallel, fastmath, cached).
 
 Hand-written because no library gives what we need here: torch's CPU GEMV reads far less
-of the memory bus than a numba prange row-dot (docs/BENCHMARKS.md), and numba reads
+of the memory bus than a numba prange row-dot (docs/BENCHMARKS-history.md), and numba reads
 bf16/fp16 weights directly with fp32 accumulation, where torch would first copy them. Kernels take numpy views of torch
 tensors (no copies, see numba_half.numpy_weights); weights are row-major (out, in).
 """
@@ -30,7 +30,7 @@ def row_dot(w, i, x):
 
 # Each thread reads its share of the rows as STREAMS interleaved sequential streams, from
 # STREAMS distant parts of the share: more memory requests in flight per core than one
-# stream (four beat one and eight; docs/BENCHMARKS.md).
+# stream (four beat one and eight; docs/BENCHMARKS-history.md, issue 7 session 4).
 STREAMS = 4
 
 

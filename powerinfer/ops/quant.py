@@ -160,7 +160,7 @@ def _small_row_dot(w, r, v, xs):
     """Row r (Q4_0, Q4_1, Q8_0) dotted with v: per block, sum((q - 8) d x) =
     d (sum(q x) - 8 sum(x)) and sum((q d + m) x) = d sum(q x) + m sum(x), the block sums of x
     (xs) taken once per call, so the inner loop is a multiply-add per weight. Called, not
-    inlined: the block dots then vectorise (measured, docs/BENCHMARKS.md)."""
+    inlined: the block dots then vectorise (docs/BENCHMARKS.md, "quantized GEMV")."""
     nb, bb = w.shape[1], w.shape[2]
     acc = np.float32(0.0)
     if bb == 18:

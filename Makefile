@@ -24,11 +24,12 @@ $(STAMP): pyproject.toml Makefile
 
 # The main job: prepare the embedded model once (profile, train, solve, pack; cached, ~2.5 min
 # the first time on 2 cores), then generate with the sparse engine and, for comparison, the
-# dense one, both printing their speeds.
+# dense one (bf16 weights, then the file's own Q4_1 blocks), each printing its speeds.
 run: setup
 	$(VENV)/bin/powerinfer prepare
 	$(VENV)/bin/powerinfer generate --chat -p "$(PROMPT)" -n 128 --temperature 0 --dtype bf16 --stats --mode sparse
 	$(VENV)/bin/powerinfer generate --chat -p "$(PROMPT)" -n 128 --temperature 0 --dtype bf16 --stats --mode dense
+	$(VENV)/bin/powerinfer generate --chat -p "$(PROMPT)" -n 128 --temperature 0 --dtype native --stats --mode dense
 
 # Two test processes (-n 2): the suite is dominated by numba's single-threaded compiles.
 # OMP_WAIT_POLICY=PASSIVE keeps each process's idle OpenMP threads from spinning on the

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -38,8 +37,17 @@ def ours(path: str, dtype: str, threads: int, prompt: int, gen: int) -> dict:
     decode_round(lm.model, ids[:8], 4)  # compile and warm up
     pp, tg = decode_round(lm.model, ids, gen)
     weight_bytes = sum(t.numel() * t.element_size() for t in lm.model.tensors())
-    return {"prefill": pp, "decode": tg, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "weight_bytes": weight_bytes}
+    return {"prefill": pp, "decode": tg, "rss": peak_rss(), "weight_bytes": weight_bytes}
+
+
+def peak_rss() -> int:
+    """This process's peak RSS in bytes: VmHWM, which starts afresh at exec (getrusage's
+    ru_maxrss keeps the parent's high-water mark across fork and exec)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def llama_bench(path: str, threads: int, prompt: int, gen: int) -> dict:

@@ -14,9 +14,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None,
                    help="a .gguf file or HF model directory (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
-    p.add_argument("--dtype", choices=[*DTYPES, NATIVE], default="fp32",
-                   help="weight dtype: fp32 (default), bf16, fp16, or native (as the file stores them, GGUF "
-                        "quantized blocks kept)")
+    p.add_argument("--dtype", choices=[*DTYPES, NATIVE], default=NATIVE,
+                   help="weight dtype: native (default: as the file stores them, GGUF quantized blocks kept), "
+                        "or fp32, bf16, fp16 (converted at load)")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

@@ -87,3 +87,31 @@ def check_output_file(path: str, force: bool, flag: str) -> None:
         raise BadArgumentError(f"{flag} {path} is a folder, not a file")
     if os.path.exists(path) and not force:
         raise BadArgumentError(f"{path} exists; pass --force to overwrite it")
+
+
+def holds_artefact(path: str, fmt: str) -> bool:
+    """Whether directory `path` holds one of our artefacts of format `fmt` (its manifest.json
+    says so)."""
+    import json
+
+    try:
+        with open(os.path.join(path, "manifest.json")) as f:
+            return json.load(f).get("format") == fmt
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_output_dir(path: str, force: bool, flag: str, fmt: str, what: str) -> None:
+    """Refuse, before any work is done, an output folder we may not write: a file; a folder
+    holding our own `fmt` artefact (`what`), unless `force`; a non-empty folder holding
+    anything else, always (we never delete what we did not write)."""
+    if os.path.isfile(path):
+        raise BadArgumentError(f"{flag} {path} is a file, not a folder")
+    if not os.path.isdir(path) or not os.listdir(path):
+        return
+    if holds_artefact(path, fmt):
+        if not force:
+            raise BadArgumentError(f"{path} already holds a {what}; pass --force to replace it")
+        return
+    raise BadArgumentError(f"{flag} {path} is a folder with other files in it; choose a new or empty folder "
+                           f"(nothing is deleted that powerinfer did not write)")

@@ -543,3 +543,35 @@ def test_huge_page_copies_are_equal_contiguous_and_skip_small_tensors():
     assert h.data_ptr() != big.data_ptr() and h.data_ptr() % HUGE_PAGE == 0
     small = torch.randn(16, 16)
     assert on_huge_pages(small) is small
+
+
+def test_outputs_never_destroy_what_we_did_not_write(relu, tmp_path):
+    """pack into a folder holding the user's files is refused, --force or not, and the files
+    stay; an empty folder is used; our own packed model is replaced only with --force."""
+    from powerinfer.paths import check_output_dir
+
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("keep me")
+    (mine / "sub" / "mine.txt").write_text("me too")
+    for force in (False, True):
+        with pytest.raises(BadArgumentError, match="other files in it"):
+            pack_model(relu.path, str(mine), relu.profile, relu.preds, force=force)
+        r = run_cli("pack", "-m", relu.path, "--profile", relu.profile.path, "--predictors", "none", "-o", str(mine),
+                    *(["--force"] if force else []))
+        assert r.returncode == 2 and "other files in it" in r.stderr and "Traceback" not in r.stderr
+    assert (mine / "notes.txt").read_text() == "keep me" and (mine / "sub" / "mine.txt").read_text() == "me too"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    pack_model(relu.path, str(empty), relu.profile, None)
+    assert read_manifest(str(empty)).layers
+    with pytest.raises(BadArgumentError, match="already holds a packed model"):
+        pack_model(relu.path, str(empty), relu.profile, None)
+    pack_model(relu.path, str(empty), relu.profile, None, force=True)
+    (tmp_path / "file").write_text("x")
+    for fmt, what in (("powerinfer-profile", "profile"), ("powerinfer-predictors", "set of predictors")):
+        with pytest.raises(BadArgumentError, match="is a file"):
+            check_output_dir(str(tmp_path / "file"), True, "-o", fmt, what)
+        with pytest.raises(BadArgumentError, match="other files in it"):
+            check_output_dir(str(mine), True, "-o", fmt, what)
+        check_output_dir(str(tmp_path / "new"), False, "-o", fmt, what)

@@ -55,10 +55,11 @@ def default_profile_dir(model_path: str) -> str:
 
 
 def _check_output(path: str, force: bool, user_given: bool) -> None:
-    if user_given and os.path.exists(os.path.join(path, "manifest.json")) and not force:
-        raise BadArgumentError(f"{path} already holds a profile; pass --force to overwrite it")
-    if user_given and os.path.isfile(path):
-        raise BadArgumentError(f"{path} is a file, not a directory")
+    if user_given:  # the cache directory is ours: replaced as needed
+        from ..offline.stats import FORMAT
+        from ..paths import check_output_dir
+
+        check_output_dir(path, force, "-o", FORMAT, "profile")
 
 
 def run(args: argparse.Namespace) -> int:

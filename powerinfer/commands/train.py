@@ -80,8 +80,11 @@ def run(args: argparse.Namespace) -> int:
                   f"x {result['agreement_prompts']} prompts")
         return 0
     out = args.output or str(cache / "predictors")
-    if args.output and os.path.exists(os.path.join(out, "manifest.json")) and not args.force:
-        raise BadArgumentError(f"{out} already holds predictors; pass --force to overwrite them")
+    if args.output:
+        from ..offline.train import FORMAT
+        from ..paths import check_output_dir
+
+        check_output_dir(out, args.force, "-o", FORMAT, "set of predictors")
     settings = TrainSettings(recall=args.recall, recall_margin=args.recall_margin, budget=args.budget,
                              tolerance=args.tolerance, epochs=args.epochs, seed=args.seed,
                              magnitude_power=args.magnitude_power, magnitude_cap=args.magnitude_cap,

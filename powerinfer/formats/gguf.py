@@ -116,9 +116,9 @@ def open_gguf(path: str, native: bool = False) -> GGUFFile:
             raise ModelFileError(f"{path}: truncated GGUF file (tensor {t.name} ends at byte {end}, file has {size})")
         tensors[t.name] = t
     metadata: dict[str, Any] = {}
-    for key, field in reader.fields.items():
+    for key, value in reader.fields.items():
         try:
-            metadata[key] = field.contents()
+            metadata[key] = value.contents()
         except Exception as e:
             raise ModelFileError(f"{path}: corrupt GGUF metadata field {key} ({e})") from None
     return GGUFFile(path=path, metadata=metadata, _tensors=tensors, native=native)

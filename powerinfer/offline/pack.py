@@ -27,10 +27,10 @@ import torch
 from tqdm import tqdm
 
 from ..errors import BadArgumentError, UnsupportedModelError
-from ..formats.packed import (SHARDS, LayerInfo, LayerPredictor, PackedManifest, PlacementSummary, PredictorsSummary,
+from ..formats.packed import (FORMAT, SHARDS, LayerInfo, LayerPredictor, PackedManifest, PlacementSummary, PredictorsSummary,
                               ShardInfo, Source, write_manifest)
 from ..loader import DTYPES, read_model, resolve_model_path
-from ..paths import content_hash
+from ..paths import check_output_dir, content_hash, holds_artefact
 from .stats import Profile
 from .train import Predictors
 
@@ -73,10 +73,7 @@ def pack_model(model_path: str | None, out_dir: str, profile: Profile, predictor
     `predictors_hash` record what `prepare` packed it for (its cache key)."""
     if dtype not in DTYPES:
         raise BadArgumentError(f"unknown dtype {dtype!r} (choose {', '.join(DTYPES)})")
-    if os.path.exists(os.path.join(out_dir, "manifest.json")) and not force:
-        raise BadArgumentError(f"{out_dir} already holds a packed model; pass --force to overwrite it")
-    if os.path.isfile(out_dir):
-        raise BadArgumentError(f"{out_dir} is a file, not a directory")
+    check_output_dir(out_dir, force, "-o", FORMAT, "packed model")
     path = resolve_model_path(model_path)
     model_hash = content_hash(path)
     if profile.model_hash not in (None, model_hash):
@@ -163,10 +160,10 @@ def pack_model(model_path: str | None, out_dir: str, profile: Profile, predictor
             predicted_tokens_per_s=pl.get("predicted_tokens_per_s")),
         shards=shard_info, layers=layer_info, prepare_request=prepare_request, predictors_hash=predictors_hash)
     write_manifest(tmp, manifest)
-    if os.path.isdir(out_dir):
+    if os.path.isdir(out_dir) and holds_artefact(out_dir, FORMAT):  # checked above: ours, replaced with --force
         shutil.rmtree(out_dir)
     os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
-    os.replace(tmp, out_dir)
+    os.replace(tmp, out_dir)  # a new name, or an empty folder (check_output_dir refused any other)
     return manifest
 
 

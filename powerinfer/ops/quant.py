@@ -104,6 +104,9 @@ def _byte_to_float(kind: str):
             if kind == "hi":
                 return builder.sitofp(builder.zext(builder.lshr(v, ir.Constant(ir.IntType(8), 4)), ir.IntType(32)),
                                       ir.FloatType())
+            if kind.startswith("b"):  # a 2-bit field at bit kind[1]
+                field = builder.and_(builder.lshr(v, ir.Constant(ir.IntType(8), int(kind[1]))), ir.Constant(ir.IntType(8), 3))
+                return builder.sitofp(builder.zext(field, ir.IntType(32)), ir.FloatType())
             if kind == "u8":
                 return builder.sitofp(builder.zext(v, ir.IntType(32)), ir.FloatType())
             return builder.sitofp(builder.sext(v, ir.IntType(32)), ir.FloatType())
@@ -114,6 +117,7 @@ def _byte_to_float(kind: str):
 
 
 _lo, _hi, _s8, _u8 = _byte_to_float("lo"), _byte_to_float("hi"), _byte_to_float("s8"), _byte_to_float("u8")
+_b0, _b2, _b4, _b6 = (_byte_to_float(f"b{k}") for k in (0, 2, 4, 6))
 
 
 @njit(inline="always", fastmath=True)
@@ -152,6 +156,68 @@ def _q8_0_dot(w, r, b, v, base):
     for j in range(32):  # int8 as uint8 minus 256 where negative: the form LLVM vectorises
         u = _u8(w[r, b, 2 + j])
         acc += (u - np.float32(256.0) if u >= np.float32(128.0) else u) * v[base + j]
+    return acc
+
+
+@njit(fastmath=True)
+def _q4_k_nibbles(w, r, b, p, v, base):
+    """(sum lo(q) v[base + l], sum hi(q) v[base + 32 + l]) over the 32 bytes of pair p of a
+    Q4_K block: sub-block 2p is their low nibbles, 2p + 1 their high ones."""
+    lo_acc = hi_acc = np.float32(0.0)
+    for l in range(32):
+        q = w[r, b, 16 + 32 * p + l]
+        lo_acc += _lo(q) * v[base + l]
+        hi_acc += _hi(q) * v[base + 32 + l]
+    return lo_acc, hi_acc
+
+
+@njit(fastmath=True)
+def _q4_k_block_dot(w, r, b, v, xs):
+    """A Q4_K block of row r dotted with v: per sub-block j (32 weights), d sc_j sum(q v) -
+    dmin m_j sum(v), the sums of v over 32 weights (xs) taken once per call."""
+    d, dmin = _half(w[r, b, 0], w[r, b, 1]), _half(w[r, b, 2], w[r, b, 3])
+    acc = np.float32(0.0)
+    for p in range(4):
+        sc0, m0 = _scale_min_k4(w, r, b, 2 * p)
+        sc1, m1 = _scale_min_k4(w, r, b, 2 * p + 1)
+        base = 256 * b + 64 * p
+        s0, s1 = _q4_k_nibbles(w, r, b, p, v, base)
+        acc += d * (sc0 * s0 + sc1 * s1) - dmin * (m0 * xs[8 * b + 2 * p] + m1 * xs[8 * b + 2 * p + 1])
+    return acc
+
+
+@njit(fastmath=True)
+def _q6_k_quarter(w, r, b, half, i, v, y):
+    """The four 16-weight sub-block dots of Q6_K weights l in [16 i, 16 i + 16) of one half:
+    6-bit values from 4 bits of ql and 2 of qh (before the -32 offset)."""
+    ql, qh = 64 * half, 128 + 32 * half
+    s0 = s1 = s2 = s3 = np.float32(0.0)
+    sixteen = np.float32(16.0)
+    for l in range(16 * i, 16 * i + 16):
+        a, c, h = w[r, b, ql + l], w[r, b, ql + l + 32], w[r, b, qh + l]
+        s0 += (_lo(a) + sixteen * _b0(h)) * v[y + l]
+        s1 += (_lo(c) + sixteen * _b2(h)) * v[y + l + 32]
+        s2 += (_hi(a) + sixteen * _b4(h)) * v[y + l + 64]
+        s3 += (_hi(c) + sixteen * _b6(h)) * v[y + l + 96]
+    return s0, s1, s2, s3
+
+
+@njit(fastmath=True)
+def _q6_k_block_dot(w, r, b, v, xs16):
+    """A Q6_K block of row r dotted with v: per 16-weight sub-block k, d sc_k (sum(q v) -
+    32 sum(v)), the sums of v over 16 weights (xs16) taken once per call."""
+    d = _half(w[r, b, 208], w[r, b, 209])
+    acc = np.float32(0.0)
+    for half in range(2):
+        y = 256 * b + 128 * half
+        sc = 192 + 8 * half
+        for i in range(2):
+            s0, s1, s2, s3 = _q6_k_quarter(w, r, b, half, i, v, y)
+            k = (y >> 4) + i  # index of the first sub-block's 16-sum
+            acc += d * (_s8(w[r, b, sc + i]) * (s0 - np.float32(32.0) * xs16[k])
+                        + _s8(w[r, b, sc + i + 2]) * (s1 - np.float32(32.0) * xs16[k + 2])
+                        + _s8(w[r, b, sc + i + 4]) * (s2 - np.float32(32.0) * xs16[k + 4])
+                        + _s8(w[r, b, sc + i + 6]) * (s3 - np.float32(32.0) * xs16[k + 6]))
     return acc
 
 
@@ -249,6 +315,25 @@ def add_matvec_q(w, v, b, x, threads):
             x[i + 3 * q] += a3
         for i in range(4 * q, n):
             x[i] += _small_row_dot(w, i, v, xs)
+    elif bb == 210:  # Q6_K: the block dots directly, one row per step
+        xs16 = np.empty(cols // 16, dtype=np.float32)
+        for k in range(cols // 16):
+            acc = np.float32(0.0)
+            for j in range(16):
+                acc += v[16 * k + j]
+            xs16[k] = acc
+        for i in prange(n):
+            acc = np.float32(0.0)
+            for blk in range(nb):
+                acc += _q6_k_block_dot(w, i, blk, v, xs16)
+            x[i] += acc
+    elif bb == 144:  # Q4_K: the block dots directly, one row per step
+        xs = _block_sums(v, cols // 32)
+        for i in prange(n):
+            acc = np.float32(0.0)
+            for blk in range(nb):
+                acc += _q4_k_block_dot(w, i, blk, v, xs)
+            x[i] += acc
     else:
         for t in prange(threads):
             lo, hi = t * n // threads, (t + 1) * n // threads

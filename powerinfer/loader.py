@@ -83,8 +83,8 @@ def read_model(path: str, native: bool = False) -> tuple[ModelArgs, dict[str, to
     args = family.args_from_gguf(g)
     state = family.state_from_gguf(g, args)
     if g.dequantized:
-        print(f"note: {path}: {', '.join(sorted(g.dequantized))} tensors have no native kernels yet; "
-              "dequantized to bf16", file=sys.stderr)
+        print(f"note: {path}: dequantized to bf16 (no native kernel for it yet): {'; '.join(sorted(g.dequantized))}",
+              file=sys.stderr)
     return args, state
 
 

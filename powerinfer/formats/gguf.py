@@ -32,7 +32,8 @@ class GGUFFile:
     metadata: dict[str, Any]
     _tensors: dict[str, Any]
     native: bool = False  # quantized tensors as blocks (ops/quant.py) where a kernel reads them
-    dequantized: set[str] = field(default_factory=set)  # quant types read as bf16 in native mode
+    _reader: Any = None  # the gguf reader, whose memory map the tensors view
+    dequantized: set[str] = field(default_factory=set)  # what native mode widened to bf16 (for the note)
 
     @property
     def architecture(self) -> str:
@@ -50,6 +51,25 @@ class GGUFFile:
 
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
+
+    def release(self, *names: str) -> None:
+        """Drop the resident pages of tensors whose contents were copied (fused matrices), so
+        that loading a model does not hold the file's pages and the copies at once. Safe:
+        the file is mapped privately and never written; a later read maps the pages again."""
+        import mmap
+
+        mm = getattr(getattr(self._reader, "data", None), "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise"):
+            return
+        page = mmap.PAGESIZE
+        for name in names:
+            t = self._tensors.get(name)
+            if t is None:
+                continue
+            start = -(-int(t.data_offset) // page) * page
+            end = (int(t.data_offset) + int(t.n_bytes)) // page * page
+            if end > start:
+                mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def has(self, name: str) -> bool:
         return name in self._tensors
@@ -121,4 +141,4 @@ def open_gguf(path: str, native: bool = False) -> GGUFFile:
             metadata[key] = value.contents()
         except Exception as e:
             raise ModelFileError(f"{path}: corrupt GGUF metadata field {key} ({e})") from None
-    return GGUFFile(path=path, metadata=metadata, _tensors=tensors, native=native)
+    return GGUFFile(path=path, metadata=metadata, _tensors=tensors, native=native, _reader=reader)

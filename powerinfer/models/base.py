@@ -180,8 +180,9 @@ class Model:
 
     def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype,
                  ffns: list[FFN] | None = None, tier: DenseTier | None = None):
-        """`ffns`: one FFN per layer to use instead of building `DenseFFN`s from the state
-        (the packed hybrid engine brings its own). `tier`: which dense parts (attention
+        """`state` is consumed (its tensors are taken out as they are placed, so that loading
+        never holds a source and its copy for long). `ffns`: one FFN per layer to use instead
+        of building `DenseFFN`s from the state (the packed hybrid engine brings its own). `tier`: which dense parts (attention
         projections, embeddings and LM head, KV cache) live on the GPU tier."""
         self.args = args
         self.dtype = dtype
@@ -194,17 +195,19 @@ class Model:
             return w.clone() if w.untyped_storage().data_ptr() == source.untyped_storage().data_ptr() else w
 
         def get(name: str, on_tier: bool = False) -> torch.Tensor | None:
-            w = state.get(name)
+            w = state.pop(name, None)  # consumed: the source is freed as soon as it is copied
             if w is None:
                 return None
             if on_tier:
                 return owned(w.to(device=t.device, dtype=t.dtype or dtype).contiguous(), w)
-            if dtype is None or quant.is_quantized(w):  # native: as the file stores it
+            if quant.is_quantized(w):  # blocks stay where they are: a view of the mapped file, as
+                return w.contiguous()  # llama.cpp keeps them (its pages are the weights' only copy)
+            if dtype is None:  # native: as the file stores it
                 return owned(w.contiguous(), w)
             return owned(w.to(dtype).contiguous(), w)
 
         def get32(name: str, on_tier: bool = False) -> torch.Tensor | None:
-            w = state.get(name)
+            w = state.pop(name, None)
             return None if w is None else owned(w.float().to(t.device if on_tier else "cpu").contiguous(), w)
 
         def linear(name: str, bias: str | None = None, on_tier: bool = False) -> Linear | None:

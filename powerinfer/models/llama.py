@@ -10,6 +10,7 @@ import torch
 from ..errors import UnsupportedModelError
 from ..formats.gguf import GGUFFile
 from ..formats.hf import HFCheckpoint
+from ..ops import quant
 from .base import ModelArgs, half_split_to_interleaved, rope_inv_freq
 from .hf_config import config_object, rope_frequencies
 
@@ -67,6 +68,7 @@ def gated_layer_state(i: int, ckpt: HFCheckpoint | GGUFFile, names: dict[str, st
         return ckpt.tensor(name) if ckpt.has(name) else None
 
     q, k, v = get(names["q"]), get(names["k"]), get(names["v"])
+    notes = getattr(ckpt, "dequantized", None)  # a GGUF read natively collects what it widened
     bq, bk, bv = bias(names["q"]), bias(names["k"]), bias(names["v"])
     if permute_qk:
         q = half_split_to_interleaved(q, args.n_heads)
@@ -75,15 +77,18 @@ def gated_layer_state(i: int, ckpt: HFCheckpoint | GGUFFile, names: dict[str, st
             bq = half_split_to_interleaved(bq, args.n_heads)
             bk = half_split_to_interleaved(bk, args.n_kv_heads)
     p = f"layers.{i}."
-    return {
+    out = {
         p + "attn_norm.weight": get(names["attn_norm"]),
-        p + "wqkv": torch.cat([q, k, v]),
+        p + "wqkv": quant.cat_rows([q, k, v], notes),
         p + "bqkv": None if bq is None else torch.cat([bq, bk, bv]),
         p + "wo": get(names["o"]),
         p + "ffn_norm.weight": get(names["ffn_norm"]),
-        p + "ffn.w_in": torch.cat([get(names["gate"]), get(names["up"])]),
+        p + "ffn.w_in": quant.cat_rows([get(names["gate"]), get(names["up"])], notes),
         p + "ffn.w_out": get(names["down"]),
     }
+    if getattr(ckpt, "native", False):  # the fused matrices are copies: their sources' pages can go
+        ckpt.release(names["q"], names["k"], names["v"], names["gate"], names["up"])
+    return out
 
 
 def state_from_hf(ckpt: HFCheckpoint, args: ModelArgs) -> dict[str, torch.Tensor | None]:

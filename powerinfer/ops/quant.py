@@ -164,10 +164,12 @@ def _q4_k_nibbles(w, r, b, p, v, base):
     """(sum lo(q) v[base + l], sum hi(q) v[base + 32 + l]) over the 32 bytes of pair p of a
     Q4_K block: sub-block 2p is their low nibbles, 2p + 1 their high ones."""
     lo_acc = hi_acc = np.float32(0.0)
-    for l in range(32):
-        q = w[r, b, 16 + 32 * p + l]
-        lo_acc += _lo(q) * v[base + l]
-        hi_acc += _hi(q) * v[base + 32 + l]
+    off = np.uint64(16 + 32 * p)  # unsigned offsets: numba's negative-index fix-up would stop
+    vb = np.uint64(base)  # LLVM from seeing contiguous loads (see sparse_cpu's SPAN)
+    for l in range(np.uint64(32)):
+        q = w[r, b, off + l]
+        lo_acc += _lo(q) * v[vb + l]
+        hi_acc += _hi(q) * v[vb + np.uint64(32) + l]
     return lo_acc, hi_acc
 
 
@@ -190,15 +192,16 @@ def _q4_k_block_dot(w, r, b, v, xs):
 def _q6_k_quarter(w, r, b, half, i, v, y):
     """The four 16-weight sub-block dots of Q6_K weights l in [16 i, 16 i + 16) of one half:
     6-bit values from 4 bits of ql and 2 of qh (before the -32 offset)."""
-    ql, qh = 64 * half, 128 + 32 * half
+    ql, qh = np.uint64(64 * half + 16 * i), np.uint64(128 + 32 * half + 16 * i)  # unsigned: see _q4_k_nibbles
+    vy = np.uint64(y + 16 * i)
     s0 = s1 = s2 = s3 = np.float32(0.0)
     sixteen = np.float32(16.0)
-    for l in range(16 * i, 16 * i + 16):
-        a, c, h = w[r, b, ql + l], w[r, b, ql + l + 32], w[r, b, qh + l]
-        s0 += (_lo(a) + sixteen * _b0(h)) * v[y + l]
-        s1 += (_lo(c) + sixteen * _b2(h)) * v[y + l + 32]
-        s2 += (_hi(a) + sixteen * _b4(h)) * v[y + l + 64]
-        s3 += (_hi(c) + sixteen * _b6(h)) * v[y + l + 96]
+    for l in range(np.uint64(16)):
+        a, c, h = w[r, b, ql + l], w[r, b, ql + l + np.uint64(32)], w[r, b, qh + l]
+        s0 += (_lo(a) + sixteen * _b0(h)) * v[vy + l]
+        s1 += (_lo(c) + sixteen * _b2(h)) * v[vy + l + np.uint64(32)]
+        s2 += (_hi(a) + sixteen * _b4(h)) * v[vy + l + np.uint64(64)]
+        s3 += (_hi(c) + sixteen * _b6(h)) * v[vy + l + np.uint64(96)]
     return s0, s1, s2, s3
 
 
@@ -456,3 +459,30 @@ def embedding(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     for k, r in enumerate(rows):
         dequantize_rows(w, r, out[k : k + 1])
     return torch.from_numpy(out)
+
+
+def cat_rows(parts: list[torch.Tensor], notes: set[str] | None = None) -> torch.Tensor:
+    """The rows of `parts` stacked into one matrix (a fused QKV or gate/up). Quantized parts of
+    one format stay blocks; parts of different formats (Q4_K_M files mix Q4_K and Q6_K) are
+    widened to bf16 for this matrix, noted in `notes` for the one-line message at load."""
+    if not any(is_quantized(p) for p in parts):
+        return torch.cat(parts)
+    if all(is_quantized(p) for p in parts) and len({int(p.shape[2]) for p in parts}) == 1:
+        return torch.cat(parts)
+    if notes is not None:
+        notes.add("fused rows of mixed formats (" + ", ".join(sorted({format_of(p) for p in parts if is_quantized(p)}))
+                  + ")")
+    return torch.cat([widen(p, torch.bfloat16) if is_quantized(p) else p.to(torch.bfloat16) for p in parts])
+
+
+def widen(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The matrix of quantized `t` in `dtype`, widened a tile at a time (gguf's numpy
+    dequantize makes temporaries many times the matrix's size)."""
+    rows, cols = shape_of(t)
+    out = torch.empty(rows, cols, dtype=dtype)
+    tile = np.empty((min(TILE_ROWS, rows), cols), dtype=np.float32)
+    for r0 in range(0, rows, TILE_ROWS):
+        n = min(TILE_ROWS, rows - r0)
+        dequantize_rows(t.numpy(), r0, tile[:n])
+        out[r0 : r0 + n] = torch.from_numpy(tile[:n])
+    return out

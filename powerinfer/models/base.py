@@ -361,8 +361,7 @@ class Model:
             h = self._decode_bufs.h = np.empty(a.d_model, dtype=np.float32)
         xv = x[0].numpy()
         api.attention_block(w, self._attn_shape, xv, pos, cos, sin, cache.k_np[i], cache.v_np[i], h)
-        add_one = getattr(layer.ffn, "add_one", None)  # DenseFFN and HybridFFN have a one-call path
-        if add_one is not None and add_one(h, xv):
+        if layer.ffn.add_one(h, xv):
             return x
         return layer.ffn(torch.from_numpy(h.copy())[None], residual=x)
 

@@ -19,9 +19,15 @@ from ..ops.linear import Linear
 
 
 class FFN(Protocol):
-    """out = residual + FFN(x). Taking the residual lets an implementation fuse the add."""
+    """Every entry point the decoder calls. out = residual + FFN(x): taking the residual lets
+    an implementation fuse the add."""
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def add_one(self, h: np.ndarray, x: np.ndarray) -> bool:
+        """Decode fast path: x += FFN(h) in place for one fp32 token, in one kernel call;
+        False (nothing done) when this FFN has none for its current weights or strategy."""
+        ...
 
     def tensors(self) -> list[torch.Tensor]: ...
 
@@ -121,6 +127,9 @@ class InstrumentedFFN:
         if self.predictor is not None:
             h = h.masked_fill(~self.predictor(x), 0.0)
         return self.ffn.down(h, residual)
+
+    def add_one(self, h: np.ndarray, x: np.ndarray) -> bool:
+        return False  # observed and thresholded: always the torch route
 
     def tensors(self) -> list[torch.Tensor]:
         return self.ffn.tensors()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -68,16 +68,24 @@ def resolve_model_path(path: str | None) -> str:
 
 
 def read_model(path: str, native: bool = False) -> tuple[ModelArgs, dict[str, torch.Tensor | None]]:
-    """Model arguments and canonical state dict of a GGUF file or HF directory: float
-    weights in their stored dtype (F16 stays 16-bit: half the memory of fp32), quantized ones
-    dequantized to fp32, or with `native` kept as blocks where the kernels read the format
-    (ops/quant.py; others dequantized to bf16, said in one line). Consumers convert to the
-    dtype they run in."""
+    """`open_model` without the page releaser."""
+    args, state, _ = open_model(path, native)
+    return args, state
+
+
+def open_model(path: str, native: bool = False) -> tuple[ModelArgs, dict[str, torch.Tensor | None],
+                                                         Callable[[torch.Tensor], None] | None]:
+    """Model arguments, canonical state dict and page releaser of a GGUF file or HF
+    directory: float weights in their stored dtype (F16 stays 16-bit: half the memory of
+    fp32), quantized ones dequantized to fp32, or with `native` kept as blocks where the
+    kernels read the format (ops/quant.py; others dequantized to bf16, said in one line).
+    Consumers convert to the dtype they run in; the releaser (GGUF only, else None) drops
+    the file's pages under a state tensor once it has been copied."""
     if os.path.isdir(path):
         ckpt = open_hf_dir(path)
         family = family_module(str(ckpt.config.get("model_type", "")))
         args = family.args_from_hf(ckpt.config)
-        return args, family.state_from_hf(ckpt, args)
+        return args, family.state_from_hf(ckpt, args), None
     g = open_gguf(path, native=native)
     family = family_module(g.architecture, gguf=True)
     args = family.args_from_gguf(g)
@@ -85,7 +93,7 @@ def read_model(path: str, native: bool = False) -> tuple[ModelArgs, dict[str, to
     if g.dequantized:
         print(f"note: {path}: dequantized to bf16 (no native kernel for it yet): {'; '.join(sorted(g.dequantized))}",
               file=sys.stderr)
-    return args, state
+    return args, state, g.release_copied
 
 
 def model_files(path: str) -> list[str]:
@@ -112,8 +120,8 @@ def load(path: str | None = None, dtype: str | torch.dtype = "fp32", threads: in
     set_threads(threads)
     path = resolve_model_path(path)
     torch_dtype = parse_dtype(dtype)
-    args, state = read_model(path, native=torch_dtype is None)
-    model = Model(args, state, torch_dtype)
+    args, state, release = open_model(path, native=torch_dtype is None)
+    model = Model(args, state, torch_dtype, release=release)
     del state  # the last references to the mapped file: its cached pages can go now
     drop_file_cache(*model_files(path))
     tokenizer = load_tokenizer(path, args.eos_token_ids) if with_tokenizer else None

@@ -136,3 +136,21 @@ def test_fused_rows_of_mixed_formats_are_widened_and_noted():
     assert mixed.dtype == torch.bfloat16 and mixed.shape == (12, 256)
     torch.testing.assert_close(mixed.float(), torch.cat([quant.dequantize(a), quant.dequantize(b)]), atol=1e-2, rtol=1e-2)
     assert notes == {"fused rows of mixed formats (Q4_K, Q6_K)"}
+
+
+def test_releasing_copied_file_pages_keeps_every_value(smollm2_path):
+    """Loading drops the mapped file's pages under tensors it has copied (madvise on the
+    private mapping); a view read afterwards maps the file again, and memory that is not the
+    file's is never touched."""
+    from powerinfer.formats.gguf import open_gguf
+
+    g = open_gguf(smollm2_path, native=True)
+    view = g.tensor("blk.0.ffn_down.weight")  # Q4_1 blocks: a view of the mapping
+    copy = view.clone()
+    g.release_copied(view)
+    assert torch.equal(view, copy)  # re-read from the file
+    g.release("blk.0.ffn_up.weight")
+    assert torch.equal(g.tensor("blk.0.ffn_up.weight"), g.tensor("blk.0.ffn_up.weight").clone())
+    anonymous = torch.arange(1 << 20, dtype=torch.float32)
+    g.release_copied(anonymous)  # outside the mapping: left alone
+    assert torch.equal(anonymous, torch.arange(1 << 20, dtype=torch.float32))

@@ -71,6 +71,24 @@ class GGUFFile:
             if end > start:
                 mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
+    def release_copied(self, t: torch.Tensor) -> None:
+        """Drop the resident pages under `t` when it views this file's mapping and has been
+        copied elsewhere (same safety as `release`); anything else is left alone."""
+        import mmap
+
+        data = getattr(self._reader, "data", None)
+        mm = getattr(data, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise") or t.device.type != "cpu":
+            return
+        base, addr, n = data.ctypes.data, t.data_ptr(), t.numel() * t.element_size()
+        if not (base <= addr and addr + n <= base + data.nbytes):
+            return
+        page = mmap.PAGESIZE
+        start = -(-(addr - base) // page) * page
+        end = (addr - base + n) // page * page
+        if end > start:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def has(self, name: str) -> bool:
         return name in self._tensors
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -179,10 +179,13 @@ class Model:
     """
 
     def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                 ffns: list[FFN] | None = None, tier: DenseTier | None = None):
+                 ffns: list[FFN] | None = None, tier: DenseTier | None = None,
+                 release: Callable[[torch.Tensor], None] | None = None):
         """`state` is consumed (its tensors are taken out as they are placed, so that loading
         never holds a source and its copy for long). `ffns`: one FFN per layer to use instead
-        of building `DenseFFN`s from the state (the packed hybrid engine brings its own). `tier`: which dense parts (attention
+        of building `DenseFFN`s from the state (the packed hybrid engine brings its own).
+        `release(source)` is called for each state tensor that was copied (the loader drops
+        the mapped file's pages under it, so that loading does not hold file and copy at once). `tier`: which dense parts (attention
         projections, embeddings and LM head, KV cache) live on the GPU tier."""
         self.args = args
         self.dtype = dtype
@@ -198,6 +201,12 @@ class Model:
             w = state.pop(name, None)  # consumed: the source is freed as soon as it is copied
             if w is None:
                 return None
+            out = place(w, on_tier)
+            if release is not None and out.untyped_storage().data_ptr() != w.untyped_storage().data_ptr():
+                release(w)
+            return out
+
+        def place(w: torch.Tensor, on_tier: bool) -> torch.Tensor:
             if on_tier:
                 return owned(w.to(device=t.device, dtype=t.dtype or dtype).contiguous(), w)
             if quant.is_quantized(w):  # blocks stay where they are: a view of the mapped file, as

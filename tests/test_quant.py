@@ -154,3 +154,76 @@ def test_releasing_copied_file_pages_keeps_every_value(smollm2_path):
     anonymous = torch.arange(1 << 20, dtype=torch.float32)
     g.release_copied(anonymous)  # outside the mapping: left alone
     assert torch.equal(anonymous, torch.arange(1 << 20, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q5_0"])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("tokens,subset", [(1, True), (1, False), (2, True), (9, False), (9, True)])
+def test_ffn_over_quantized_rows_matches_reference(fmt, gated, tokens, subset):
+    """The sparse FFN over quantized gate/up rows and a Q8_0 transposed down projection
+    (quant_sparse.py for a few tokens, tiles for a batch) against the fp32 reference."""
+    from powerinfer.ops import ffn_rows
+    from powerinfer.ops.criterion import Criterion
+    from powerinfer.ops.ffn_rows import FFNRows, FFNSpec
+
+    n, d = 40, 256
+    w_gate, w_up = quantized(n, d, fmt, 1), quantized(n, d, fmt, 2) if gated else None
+    down = torch.randn(n, 96, generator=torch.Generator().manual_seed(3)) / n**0.5
+    wt_down = quant.quantize_q8_0(down)
+    b_in = None if gated else torch.randn(n) * 0.1
+    rows = FFNRows(w_gate, w_up, b_in, wt_down, numba_kernels=True)
+    assert rows.quant and rows.numba and rows.out_features == 96
+    spec = FFNSpec("silu" if gated else "relu", None, gated, threshold=0.02)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, d, generator=g)
+    idx = torch.tensor([0, 3, 4, 17, 39]) if subset else None
+    for criterion in (Criterion.NONE, Criterion.GATE_UP, Criterion.GATE):
+        got = ffn_rows.output(rows, spec, x, idx, criterion)
+        ref_idx = torch.arange(n) if idx is None else idx
+        c = criterion.for_ffn(gated)
+        wg, wd = quant.dequantize(w_gate), quant.dequantize(wt_down)
+        if gated:
+            expected = reference.sparse_gated_ffn(wg, quant.dequantize(w_up), wd, x, ref_idx, "silu", None, c.label,
+                                                  0.02)[0]
+        else:
+            a = reference.sparse_row_gemv(wg, x, ref_idx, b_in, "relu")
+            expected = reference.sparse_col_axpy(wd, torch.where(a.abs() <= 0.02, 0.0, a) if c != Criterion.NONE else a,
+                                                 ref_idx)
+        torch.testing.assert_close(got, expected, atol=3e-4, rtol=1e-3)
+
+
+def test_packed_default_model_keeps_its_blocks(smollm2_path, tmp_path):
+    """pack --dtype native: gate/up rows stay Q4_1 blocks, the down projection becomes Q8_0
+    rows; oracle mode at threshold 0 is the dense model (up to the Q8_0 requantization), the
+    split tiers compute each neuron once, and prefill works through the tiles."""
+    import powerinfer
+    from powerinfer.engine.packed import load_packed
+    from powerinfer.offline.pack import pack_model
+    from powerinfer.offline.stats import LayerStats, Profile
+    from powerinfer.paths import content_hash
+
+    native = powerinfer.load(smollm2_path, dtype="native")
+    a = native.args
+    rng = np.random.default_rng(0)
+    prof = Profile([LayerStats(rng.integers(0, 100, a.ffn_dim).astype(np.int64), 100, 0.0)
+                    for _ in range(a.n_layers)], {"model": {"hash": content_hash(smollm2_path)}, "criterion": "gate_up"})
+    sets = [rng.choice(a.ffn_dim, a.ffn_dim // 4, replace=False) for _ in range(a.n_layers)]
+    placement = {"format": "powerinfer-placement", "layers": [{"gpu_neurons": s.tolist()} for s in sets]}
+    out = str(tmp_path / "packed")
+    pack_model(smollm2_path, out, prof, None, placement, "native")
+    lm = load_packed(out, mode="oracle", dtype="native", with_tokenizer=False)
+    ffn = lm.model.layers[0].ffn
+    assert quant.format_of(ffn.cpu.w_gate) == "Q4_1" and quant.format_of(ffn.cpu.wt_down) == "Q8_0"
+    assert ffn.gpu.n == a.ffn_dim // 4 and quant.is_quantized(ffn.gpu.w_up)
+    assert quant.is_quantized(lm.model.layers[0].attn.qkv.weight)  # dense parts stay blocks too
+    ids = torch.tensor(native.tokenizer.encode("The capital of France is"))
+    m, ref = lm.model, native.model
+    prefill = m.forward(ids, m.new_cache(64), all_logits=True)  # tiles, both tiers
+    cache = m.new_cache(64)
+    decode = torch.stack([m.forward(t[None], cache) for t in ids])  # quant_sparse row kernels
+    torch.testing.assert_close(decode, prefill, atol=1e-3, rtol=1e-4)  # the two routes agree
+    dense = ref.forward(ids, ref.new_cache(64), all_logits=True)
+    # against the dense model only the Q8_0 requantization of the down projection differs:
+    # the same next tokens, logits within a few percent (perplexity +0.27%, docs/BENCHMARKS.md)
+    assert torch.equal(prefill.argmax(-1), dense.argmax(-1))
+    assert (prefill - dense).abs().max() < 0.1 * dense.abs().max()

@@ -1,6 +1,6 @@
 """`powerinfer pack`: write the packed model directory the hybrid engine loads.
 
-    powerinfer pack [-m MODEL] [--profile DIR] [--predictors DIR] [--placement FILE] [--dtype fp32|bf16|fp16] -o OUT
+    powerinfer pack [-m MODEL] [--profile DIR] [--predictors DIR] [--placement FILE] [--dtype fp32|bf16|fp16|native] -o OUT
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 import os
 
 from ..errors import BadArgumentError
-from ..loader import DTYPES
+from ..loader import DTYPES, NATIVE
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,7 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predictors", default=None,
                    help="predictor directory (default: the model's cache dir if trained there; 'none' to omit)")
     p.add_argument("--placement", default=None, help="placement JSON from `powerinfer solve` (default: all neurons on the CPU)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="weight dtype of the shards (default fp32)")
+    p.add_argument("--dtype", choices=[*DTYPES, NATIVE], default="fp32",
+                   help="weight dtype of the shards (default fp32); native keeps a GGUF's quantized blocks")
     p.add_argument("-o", "--output", required=True, help="output directory")
     p.add_argument("--force", action="store_true", help="overwrite a packed model in --output")
 

@@ -20,6 +20,7 @@ from ..errors import BadArgumentError
 from ..formats.packed import SHARDS, PackedManifest, PackedModelError, read_manifest
 from ..loader import LoadedModel, parse_dtype, set_threads
 from ..models.base import DenseTier, Model, ModelArgs
+from ..ops import quant
 from ..ops.ffn_rows import FFNSpec
 from ..ops.memory import drop_file_cache, on_huge_pages
 from ..paths import content_hash
@@ -88,9 +89,13 @@ def _tier_tensors(shards: dict, layer: int, tier: str, args: ModelArgs, n_expect
     got = {k: sh.pop(q + k, None) for k in ("gate", "up", "b_in", "down_t", "neurons")}
     n = None if got["neurons"] is None else got["neurons"].shape[0]
     d = args.d_model
+
+    def shape(t: torch.Tensor) -> tuple[int, ...]:  # quantized blocks: the matrix they hold
+        return quant.shape_of(t) if quant.is_quantized(t) else tuple(t.shape)
+
     ok = (n is not None and got["gate"] is not None and got["down_t"] is not None
-          and tuple(got["gate"].shape) == (n, d) and tuple(got["down_t"].shape) == (n, d)
-          and (not args.gated_ffn or (got["up"] is not None and tuple(got["up"].shape) == (n, d)))
+          and shape(got["gate"]) == (n, d) and shape(got["down_t"]) == (n, d)
+          and (not args.gated_ffn or (got["up"] is not None and shape(got["up"]) == (n, d)))
           and (got["b_in"] is None or tuple(got["b_in"].shape) == (n,)))
     if not ok:
         raise PackedModelError(f"{path}: layer {layer} {tier}-tier tensors are missing or do not match the model's shape")
@@ -157,6 +162,9 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
     tier_dtype = parse_dtype(gpu_dtype) if gpu_dtype is not None else (
         torch_dtype if dev.type == "cpu" else _gpu_dtype(torch_dtype))
     _check_memory(manifest, dev)
+    if dev.type == "cuda" and manifest.dtype == "native" and any(p.n_gpu for p in plan.layers):
+        raise BadArgumentError("a GPU tier of quantized rows is not supported yet; pack with --dtype fp16 or bf16 "
+                               "for a CUDA GPU tier")
     shards = _read_shards(path, manifest)
     stats = FFNStats()
     ffns = [_layer_ffn(shards, manifest, plan, i, args, dev, tier_dtype, torch_dtype, stats, path)
@@ -236,7 +244,10 @@ def _whole_layer(g: dict, c: dict, on_gpu: bool) -> tuple[dict, dict]:
 
 def _make_tier(name: str, t: dict, device: torch.device, dtype: torch.dtype) -> Tier:
     def mat(x):
-        return None if x is None else on_huge_pages(x.to(device=device, dtype=dtype).contiguous())
+        if x is None:
+            return None
+        kept = quant.is_quantized(x) or dtype is None  # blocks stay blocks, whatever the run dtype
+        return on_huge_pages(x.to(device=device, dtype=None if kept else dtype).contiguous())
 
     b_in = None if t["b_in"] is None else t["b_in"].float().to(device).contiguous()
     return Tier(name, mat(t["gate"]), mat(t["up"]), b_in, mat(t["down_t"]), t["neurons"].long(),

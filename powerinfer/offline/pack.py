@@ -29,7 +29,8 @@ from tqdm import tqdm
 from ..errors import BadArgumentError, UnsupportedModelError
 from ..formats.packed import (FORMAT, SHARDS, LayerInfo, LayerPredictor, PackedManifest, PlacementSummary, PredictorsSummary,
                               ShardInfo, Source, write_manifest)
-from ..loader import DTYPES, read_model, resolve_model_path
+from ..loader import DTYPES, NATIVE, read_model, resolve_model_path
+from ..ops import quant
 from ..paths import check_output_dir, content_hash, holds_artefact
 from .stats import Profile
 from .train import Predictors
@@ -70,15 +71,19 @@ def pack_model(model_path: str | None, out_dir: str, profile: Profile, predictor
                prepare_request: dict | None = None, predictors_hash: str | None = None) -> PackedManifest:
     """Write the packed model to `out_dir`; returns the manifest. A layer whose predictor is
     None (prepare skipped training it) is packed without one. `prepare_request` and
-    `predictors_hash` record what `prepare` packed it for (its cache key)."""
-    if dtype not in DTYPES:
-        raise BadArgumentError(f"unknown dtype {dtype!r} (choose {', '.join(DTYPES)})")
+    `predictors_hash` record what `prepare` packed it for (its cache key).
+
+    `dtype` native keeps the source's formats: GGUF quantized gate/up rows stay blocks
+    (gathering rows keeps blocks intact) and the transposed down projection, whose blocks a
+    transpose breaks, is requantized to Q8_0 (ops/quant_sparse.py)."""
+    if dtype not in DTYPES and dtype != NATIVE:
+        raise BadArgumentError(f"unknown dtype {dtype!r} (choose {', '.join([*DTYPES, NATIVE])})")
     check_output_dir(out_dir, force, "-o", FORMAT, "packed model")
     path = resolve_model_path(model_path)
     model_hash = content_hash(path)
     if profile.model_hash not in (None, model_hash):
         raise BadArgumentError(f"the profile is of model {profile.model_hash}, not this one ({model_hash})")
-    args, state = read_model(path)
+    args, state = read_model(path, native=dtype == NATIVE)
     L, n_ff = args.n_layers, args.ffn_dim
     if len(profile.layers) != L or any(s.n_ff != n_ff for s in profile.layers):
         raise BadArgumentError(f"the profile's layers do not match the model ({L} layers of {n_ff} neurons)")
@@ -92,18 +97,23 @@ def pack_model(model_path: str | None, out_dir: str, profile: Profile, predictor
         raise UnsupportedModelError("gated FFNs with gate/up biases are not supported by the sparse engine")
     gpu_sets = gpu_neuron_sets(placement, L, n_ff, model_hash)
     dense_on_gpu = bool(placement.get("dense_on_gpu", False)) if placement else False
-    wdtype = DTYPES[dtype]
+    wdtype = DTYPES.get(dtype)  # None: native, each tensor as stored
+
+    def as_packed(t: torch.Tensor) -> torch.Tensor:
+        return (t if wdtype is None or quant.is_quantized(t) else t.to(wdtype)).contiguous()
+
     shards: dict[str, dict[str, torch.Tensor]] = {"gpu": {}, "cpu": {}}
     dense_shard = shards["gpu" if dense_on_gpu else "cpu"]
     for key, t in state.items():
         if t is None or _is_ffn_key(key):
             continue
         # matrices in the packed dtype; norms and biases (1-D) stay fp32, as the engine keeps them
-        dense_shard[key] = (t.to(wdtype) if t.dim() >= 2 else t.float()).contiguous()
+        dense_shard[key] = as_packed(t) if t.dim() >= 2 else t.float().contiguous()
     layer_info = []
     for i in tqdm(range(L), desc="pack", unit="layer"):
         p = f"layers.{i}.ffn."
         w_in, w_out, b_in = state[p + "w_in"], state[p + "w_out"], state.get(p + "b_in")
+        w_out_rows = quant.widen(w_out) if quant.is_quantized(w_out) else w_out  # transposed below
         if state.get(p + "b_out") is not None:
             dense_shard[p + "b_out"] = state[p + "b_out"].float().contiguous()
         counts = profile.layers[i].counts
@@ -113,12 +123,17 @@ def pack_model(model_path: str | None, out_dir: str, profile: Profile, predictor
         for tier, rows in tables.items():
             r = torch.from_numpy(rows)
             sh, q = shards[tier], f"{p}{tier}."
-            sh[q + "gate"] = w_in[r].to(wdtype).contiguous()
+            sh[q + "gate"] = as_packed(w_in[r])
             if args.gated_ffn:
-                sh[q + "up"] = w_in[n_ff + r].to(wdtype).contiguous()
+                sh[q + "up"] = as_packed(w_in[n_ff + r])
             elif b_in is not None:
                 sh[q + "b_in"] = b_in[r].float().contiguous()
-            sh[q + "down_t"] = w_out[:, r].t().to(wdtype).contiguous()
+            down_t = w_out_rows[:, r].t()
+            if quant.is_quantized(w_out):  # requantized rows; an empty tier keeps the layout too
+                sh[q + "down_t"] = (quant.quantize_q8_0(down_t) if len(r)
+                                    else torch.zeros(0, down_t.shape[1] // 32, 34, dtype=torch.uint8))
+            else:
+                sh[q + "down_t"] = as_packed(down_t)
             sh[q + "neurons"] = r.clone()
         pr = None if predictors is None else predictors.layers[i]
         if pr is not None:

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import cpu, decode, panels, sparse_cpu
+from . import cpu, decode, panels, quant, quant_sparse, sparse_cpu
 from .activations import activation_id, maybe_activation
 from .criterion import Criterion, apply as apply_criterion
 from .numba_half import numpy_weights
@@ -62,11 +62,13 @@ class FFNRows:
         self.w_gate, self.w_up, self.b_in, self.wt_down = w_gate, w_up, b_in, wt_down
         self.n = int(w_gate.shape[0])
         self.device = w_gate.device
-        self.numba = numba_kernels and self.device.type == "cpu" and cpu.supports(w_gate)
+        self.quant = quant.is_quantized(w_gate)  # GGUF blocks; the down projection then Q8_0 (quant_sparse.py)
+        self.numba = numba_kernels and self.device.type == "cpu" and (cpu.supports(w_gate) or self.quant)
         self._b_np = cpu.NO_BIAS if b_in is None or not self.numba else b_in.numpy()
         self._np: tuple | None = None
         if self.numba:
-            self._np = (numpy_weights(w_gate), None if w_up is None else numpy_weights(w_up), numpy_weights(wt_down))
+            view = (lambda t: t.numpy()) if self.quant else numpy_weights
+            self._np = (view(w_gate), None if w_up is None else view(w_up), view(wt_down))
         self.all_rows = torch.arange(self.n, dtype=torch.int64)
         self.all_rows_np = self.all_rows.numpy()
         self.dense_np: tuple[np.ndarray, np.ndarray] | None = None  # see use_dense_layout
@@ -78,7 +80,7 @@ class FFNRows:
         reads them (its GEMV down projection beats the transposed AXPY); half weights in column
         panels (ops/panels.py). Memory stays the same. `place` puts new row-layout tensors in
         memory (huge pages; panels get them from to_panels)."""
-        if not self.numba or self.dense_np is not None:
+        if not self.numba or self.dense_np is not None or self.quant:  # blocks cannot be transposed: rows
             return
         w_in = self.w_gate if self.w_up is None else torch.cat([self.w_gate, self.w_up])
         w_out = self.wt_down.t()
@@ -110,6 +112,8 @@ class FFNRows:
     def out_features(self) -> int:
         if self.dense_panels is not None:
             return int(self.dense_panels[1].shape[1])  # panels of the down projection: (n / P, d_out, P)
+        if self.quant:
+            return quant.shape_of(self.wt_down)[1]
         return int(self.wt_down.shape[1])
 
     def tensors(self) -> list[torch.Tensor]:
@@ -131,6 +135,9 @@ def output(rows: FFNRows, spec: FFNSpec, x: torch.Tensor, idx: torch.Tensor | No
         else:
             add_into(rows, spec, xs, rows.all_rows_np if idx is None else idx.numpy(), criterion, out)
         return torch.from_numpy(out)
+    if rows.quant:
+        out = _quant_batch(rows, spec, x, idx, criterion)
+        return out if base is None else out.add_(base)
     xd = x.to(rows.device, non_blocking=True)
     if idx is None:
         out = _torch_dense(rows, spec, xd, criterion)
@@ -146,6 +153,11 @@ def add_into(rows: FFNRows, spec: FFNSpec, x: np.ndarray, idx: np.ndarray, crite
     wg, wu, wd = rows._np
     c = spec.kernel_criterion(criterion)
     chunks = sparse_cpu.default_chunks()
+    if rows.quant:
+        h = np.empty((x.shape[0], idx.shape[0]), dtype=np.float32)
+        quant_sparse.ffn_rows_q(wg, wg if wu is None else wu, wd, x, idx.astype(np.int64, copy=False), spec.gated,
+                                rows._b_np, spec.act_id, spec.up_act_id, c, spec.threshold32, chunks, h, out)
+        return
     if spec.gated:
         h = np.empty((x.shape[0], idx.shape[0]), dtype=np.float32)
         sparse_cpu.gated_ffn(wg, wu, wd, x, idx, spec.act_id, spec.up_act_id, c, spec.threshold32, chunks, h, out, True)
@@ -180,6 +192,22 @@ def _values(spec: FFNSpec, g: torch.Tensor, u: torch.Tensor | None, criterion: C
         up_act = maybe_activation(spec.up_act)
         h = a * (up_act(u) if up_act is not None else u)
     return apply_criterion(h, a, spec.kernel_criterion(criterion), spec.threshold)
+
+
+def _quant_batch(rows: FFNRows, spec: FFNSpec, x: torch.Tensor, idx: torch.Tensor | None,
+                 criterion: Criterion) -> torch.Tensor:
+    """A batch over quantized rows (prefill): every row widened tile by tile for torch's GEMM,
+    neurons outside `idx` zeroed."""
+    if rows.device.type != "cpu":
+        raise NotImplementedError("quantized rows are read on the CPU tier only")
+    g = quant.matmul(rows.w_gate, x, rows.b_in)
+    u = quant.matmul(rows.w_up, x) if spec.gated else None
+    h = _values(spec, g, u, criterion)
+    if idx is not None:
+        keep = torch.zeros(rows.n, dtype=torch.bool)
+        keep[idx] = True
+        h = h * keep
+    return quant.matmul_t(rows.wt_down, h)
 
 
 def _torch_dense(rows: FFNRows, spec: FFNSpec, x: torch.Tensor, criterion: Criterion) -> torch.Tensor:

@@ -486,3 +486,27 @@ def widen(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         dequantize_rows(t.numpy(), r0, tile[:n])
         out[r0 : r0 + n] = torch.from_numpy(tile[:n])
     return out
+
+
+def matmul_t(t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """h (T, rows) @ W (rows, cols) for quantized W, TILE_ROWS rows widened at a time: a
+    transposed down projection applied to a batch of neuron values."""
+    rows, cols = shape_of(t)
+    out = torch.zeros(h.shape[0], cols, dtype=torch.float32)
+    tile = np.empty((min(TILE_ROWS, rows), cols), dtype=np.float32)
+    hf = h.float()
+    for r0 in range(0, rows, TILE_ROWS):
+        n = min(TILE_ROWS, rows - r0)
+        dequantize_rows(t.numpy(), r0, tile[:n])
+        out.addmm_(hf[:, r0 : r0 + n], torch.from_numpy(tile[:n]))
+    return out
+
+
+def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
+    """fp32 rows (rows, cols) as Q8_0 blocks (rows, cols / 32, 34), by the gguf package's
+    reference quantizer (ggml's)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    rows, cols = w.shape
+    return from_gguf(quantize(np.ascontiguousarray(w.float().numpy()), GGMLQuantizationType.Q8_0), "Q8_0", rows, cols)

@@ -1,0 +1,100 @@
+"""The FFN over an active row set with GGUF quantized blocks (ops/quant.py), in numba.
+
+Gate and up rows keep the source file's blocks (a row set gathers whole rows, blocks
+intact); the down projection, stored transposed so that each neuron owns one row, is
+requantized to Q8_0 at pack time (transposing breaks blocks; Q8_0 is the closest of the
+block formats to the source, see docs/BENCHMARKS.md). One call computes, per token, every
+active neuron's value in parallel, then accumulates h_k * down_k into per-thread partial
+sums that are reduced at the end. Reference twin: dequantize, then the fp32 sparse ops.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .cpu import _act, gated_value
+from .criterion import GATE
+from .quant import _block_sums, _half, _q4_k_block_dot, _q6_k_block_dot, _small_row_dot, _u8, dequantize_row
+
+
+@njit(fastmath=True)
+def row_dot(w, r, v, xs, xs16, scratch):
+    """Row r of quantized w dotted with v, any format: xs / xs16 are v's sums over 32 / 16
+    weights, `scratch` a (cols,) fp32 buffer for the formats read through dequantization."""
+    bb = w.shape[2]
+    if bb == 18 or bb == 20 or bb == 34:
+        return _small_row_dot(w, r, v, xs)
+    acc = np.float32(0.0)
+    if bb == 144:
+        for b in range(w.shape[1]):
+            acc += _q4_k_block_dot(w, r, b, v, xs)
+    elif bb == 210:
+        for b in range(w.shape[1]):
+            acc += _q6_k_block_dot(w, r, b, v, xs16)
+    else:
+        dequantize_row(w, r, scratch)
+        for j in range(v.shape[0]):
+            acc += scratch[j] * v[j]
+    return acc
+
+
+@njit(fastmath=True)
+def _sums16(v):
+    s = np.empty(v.shape[0] // 16, dtype=np.float32)
+    for k in range(s.shape[0]):
+        acc = np.float32(0.0)
+        for j in range(16):
+            acc += v[16 * k + j]
+        s[k] = acc
+    return s
+
+
+@njit(fastmath=True)
+def _axpy_q8_0(wt, r, coef, acc):
+    """acc += coef * row r of Q8_0 wt (int8 as uint8 - 256: the form LLVM vectorises)."""
+    for b in range(wt.shape[1]):
+        dd = coef * _half(wt[r, b, 0], wt[r, b, 1])
+        base = 32 * b
+        for j in range(32):
+            u = _u8(wt[r, b, 2 + j])
+            acc[base + j] += dd * (u - np.float32(256.0) if u >= np.float32(128.0) else u)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def ffn_rows_q(w_in, w_up, wt_down, x, idx, gated, b_in, act_id, up_act_id, criterion, threshold, n_chunks, h, out):
+    """out (T, d_out) += the FFN over neurons `idx` for x (T, d): w_in holds gate rows (or
+    fc1 rows of a plain FFN, with bias b_in), w_up up rows (gated), wt_down the Q8_0 down
+    projection transposed (n, d_out). h (T, k) gets the neuron values (0 when off by the
+    criterion, as the dense-weight kernels: GATE skips the up row)."""
+    T, k, d = x.shape[0], idx.shape[0], x.shape[1]
+    d_out = out.shape[1]
+    for t in range(T):
+        v = x[t]
+        xs = _block_sums(v, d // 32)
+        xs16 = _sums16(v)
+        for c in prange(n_chunks):
+            scratch = np.empty(d, dtype=np.float32)
+            for kk in range(c * k // n_chunks, (c + 1) * k // n_chunks):
+                r = idx[kk]
+                g = row_dot(w_in, r, v, xs, xs16, scratch)
+                if not gated:
+                    if b_in.shape[0] > 0:
+                        g += b_in[r]
+                    a = _act(g, act_id)
+                    h[t, kk] = np.float32(0.0) if criterion != 0 and abs(a) <= threshold else a
+                    continue
+                a = _act(g, act_id)
+                if criterion == GATE and abs(a) <= threshold:
+                    h[t, kk] = np.float32(0.0)
+                    continue
+                h[t, kk] = gated_value(a, row_dot(w_up, r, v, xs, xs16, scratch), up_act_id, criterion, threshold)
+        partial = np.zeros((n_chunks, d_out), dtype=np.float32)
+        for c in prange(n_chunks):
+            for kk in range(c * k // n_chunks, (c + 1) * k // n_chunks):
+                coef = h[t, kk]
+                if coef != 0.0:
+                    _axpy_q8_0(wt_down, idx[kk], coef, partial[c])
+        for c in range(n_chunks):
+            for j in range(d_out):
+                out[t, j] += partial[c, j]

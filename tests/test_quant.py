@@ -192,6 +192,50 @@ def test_ffn_over_quantized_rows_matches_reference(fmt, gated, tokens, subset):
         torch.testing.assert_close(got, expected, atol=3e-4, rtol=1e-3)
 
 
+def test_sparse_mode_on_quantized_rows(smollm2_path, tmp_path):
+    """Predicted neurons over quantized rows, split across both tiers: a predictor that
+    selects every neuron computes exactly the oracle model; a selective one computes fewer
+    neurons, from both tiers."""
+    import powerinfer
+    from powerinfer.engine.packed import load_packed
+    from powerinfer.offline.pack import pack_model
+    from powerinfer.offline.stats import LayerStats, Profile
+    from powerinfer.offline.train import LayerPredictor, Predictors
+    from powerinfer.paths import content_hash
+
+    native = powerinfer.load(smollm2_path, dtype="native")
+    a = native.args
+    h = content_hash(smollm2_path)
+    rng = np.random.default_rng(1)
+    prof = Profile([LayerStats(rng.integers(0, 100, a.ffn_dim).astype(np.int64), 100, 0.0)
+                    for _ in range(a.n_layers)], {"model": {"hash": h}, "criterion": "gate_up"})
+    g = torch.Generator().manual_seed(0)
+
+    def predictors(threshold: float) -> Predictors:
+        return Predictors([LayerPredictor(torch.randn(8, a.d_model, generator=g) * 0.1, torch.zeros(8),
+                                          torch.randn(a.ffn_dim, 8, generator=g), torch.zeros(a.ffn_dim), threshold,
+                                          1.0, 1.0, 0.5, 0.5, {}) for _ in range(a.n_layers)], {"model_hash": h})
+
+    sets = [rng.choice(a.ffn_dim, a.ffn_dim // 3, replace=False) for _ in range(a.n_layers)]
+    placement = {"format": "powerinfer-placement", "layers": [{"gpu_neurons": s.tolist()} for s in sets]}
+    ids = torch.tensor(native.tokenizer.encode("Tell me about the sea."))
+
+    def decode(lm):
+        cache = lm.model.new_cache(64)
+        return torch.stack([lm.model.forward(t[None], cache) for t in ids])
+
+    every, some = str(tmp_path / "every"), str(tmp_path / "some")
+    pack_model(smollm2_path, every, prof, predictors(-1e9), placement, "native")
+    pack_model(smollm2_path, some, prof, predictors(0.5), placement, "native")
+    oracle = decode(load_packed(every, mode="oracle", dtype="native", with_tokenizer=False))
+    all_predicted = load_packed(every, mode="sparse", dtype="native", with_tokenizer=False, predictor_bypass=None)
+    torch.testing.assert_close(decode(all_predicted), oracle, atol=1e-3, rtol=1e-4)
+    selective = load_packed(some, mode="sparse", dtype="native", with_tokenizer=False, predictor_bypass=None)
+    out = decode(selective)
+    st = selective.ffn_stats
+    assert torch.isfinite(out).all() and 0.2 < st.active_fraction < 0.8 and 0 < st.gpu_share < 1
+
+
 def test_packed_default_model_keeps_its_blocks(smollm2_path, tmp_path):
     """pack --dtype native: gate/up rows stay Q4_1 blocks, the down projection becomes Q8_0
     rows; oracle mode at threshold 0 is the dense model (up to the Q8_0 requantization), the

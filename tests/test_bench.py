@@ -50,3 +50,14 @@ def test_bench_relu7b_without_dir_leaves_nothing_behind(tmp_path, monkeypatch):
     r = run_cli("bench", "relu7b", *SMALL, "--tokens", "4", "--rounds", "1", "-t", "2")
     assert r.returncode == 0, r.stderr
     assert "sparse" in r.stdout and list(tmp_path.iterdir()) == []
+
+
+def test_bench_relu7b_on_quantized_blocks(tmp_path):
+    """The planted model written as Q4_0: the dense engine reads the file's blocks, the packed
+    sparse one its Q4_0 rows with a Q8_0 down projection; both decode and the table prints."""
+    r = run_cli("bench", "relu7b", *SMALL, "--dtype", "q4_0", "--tokens", "4", "--rounds", "1",
+                "--dir", str(tmp_path / "r"), "-t", "2")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "r" / "planted-256d-1024ff-4h-4l.q4_0.gguf").is_file()
+    speeds = dict(re.findall(r"\| (dense|sparse) \| ([\d.]+) \|", r.stdout))
+    assert set(speeds) == {"dense", "sparse"} and all(float(v) > 0 for v in speeds.values())

@@ -59,7 +59,8 @@ PROMPT = [1, 2, 3, 4]
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=16, help="decoder layers (default 16; ReluLLaMA-7B has 32)")
     p.add_argument("--sparsity", type=float, default=0.9, help="mean share of inactive neurons (default 0.9)")
-    p.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16", help="weight dtype in RAM (default fp16)")
+    p.add_argument("--dtype", choices=["fp16", "bf16", "q4_0"], default="fp16",
+                   help="weight dtype in RAM (default fp16); q4_0 writes a Q4_0 GGUF that both engines read natively")
     p.add_argument("--tokens", type=int, default=32, help="decode tokens per round (default 32)")
     p.add_argument("--rounds", type=int, default=5, help="dense/sparse round pairs, alternating (default 5)")
     p.add_argument("--rank", type=int, default=16, help="predictor rank (default 16)")
@@ -108,9 +109,11 @@ def vocab_size(src) -> int:
     return len(src.fields["tokenizer.ggml.tokens"].contents())
 
 
-def write_gguf(path: str, n_layers: int, seed: int = 0, src=None, shape: Shape = RELULLAMA_7B) -> None:
+def write_gguf(path: str, n_layers: int, seed: int = 0, src=None, shape: Shape = RELULLAMA_7B,
+               quant: str | None = None) -> None:
     """Random F16 llama-architecture GGUF with the tokenizer metadata of `src` (default
-    `tokenizer_source()`)."""
+    `tokenizer_source()`); with `quant` (Q4_0) its matrices quantized by gguf's reference
+    quantizer instead."""
     D, N_FF, HEADS = shape
     import gguf
 
@@ -127,28 +130,36 @@ def write_gguf(path: str, n_layers: int, seed: int = 0, src=None, shape: Shape =
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0 if quant else gguf.LlamaFileType.MOSTLY_F16)
     for key, field in src.fields.items():
         if key.startswith("tokenizer."):
             sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
             w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
     g = torch.Generator().manual_seed(seed)
 
+    qtype = None if quant is None else gguf.GGMLQuantizationType[quant]
+
     def rand(*shape: int, scale: float) -> np.ndarray:
         return (torch.randn(*shape, generator=g) * scale).half().numpy()
 
-    w.add_tensor("token_embd.weight", rand(vocab, D, scale=0.02))
+    def add(name: str, t: np.ndarray) -> None:
+        if qtype is None or t.ndim == 1:
+            w.add_tensor(name, t)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(t.astype(np.float32), qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", rand(vocab, D, scale=0.02))
     w.add_tensor("output_norm.weight", np.ones(D, dtype=np.float32))
-    w.add_tensor("output.weight", rand(vocab, D, scale=0.02))
+    add("output.weight", rand(vocab, D, scale=0.02))
     for i in range(n_layers):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", np.ones(D, dtype=np.float32))
         w.add_tensor(p + "ffn_norm.weight", np.ones(D, dtype=np.float32))
         for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            w.add_tensor(p + name + ".weight", rand(D, D, scale=D**-0.5))
-        w.add_tensor(p + "ffn_gate.weight", rand(N_FF, D, scale=D**-0.5))
-        w.add_tensor(p + "ffn_up.weight", rand(N_FF, D, scale=D**-0.5))
-        w.add_tensor(p + "ffn_down.weight", rand(D, N_FF, scale=0.1 * N_FF**-0.5))
+            add(p + name + ".weight", rand(D, D, scale=D**-0.5))
+        add(p + "ffn_gate.weight", rand(N_FF, D, scale=D**-0.5))
+        add(p + "ffn_up.weight", rand(N_FF, D, scale=D**-0.5))
+        add(p + "ffn_down.weight", rand(D, N_FF, scale=0.1 * N_FF**-0.5))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file(progress=True)
@@ -251,10 +262,20 @@ def decode_speed(model, n: int) -> float:
     return decode_round(model, PROMPT, n)[1]
 
 
-def gguf_name(layers: int, shape: Shape) -> str:
+def gguf_name(layers: int, shape: Shape, quant: str | None = None) -> str:
+    kind = "f16" if quant is None else quant.lower()
     if shape == RELULLAMA_7B:
-        return f"relullama-7b-shaped-{layers}l.f16.gguf"
-    return f"planted-{shape.d}d-{shape.n_ff}ff-{shape.heads}h-{layers}l.f16.gguf"
+        return f"relullama-7b-shaped-{layers}l.{kind}.gguf"
+    return f"planted-{shape.d}d-{shape.n_ff}ff-{shape.heads}h-{layers}l.{kind}.gguf"
+
+
+def engine_dtype(args: argparse.Namespace) -> str:
+    """The dtype our engines load the planted file in: its own blocks for a quantized file."""
+    return "native" if args.dtype == "q4_0" else args.dtype
+
+
+def file_quant(args: argparse.Namespace) -> str | None:
+    return "Q4_0" if args.dtype == "q4_0" else None
 
 
 def planted_model(args: argparse.Namespace, shape: Shape, root: str, place=None, src=None) -> tuple[str, str, object]:
@@ -266,16 +287,16 @@ def planted_model(args: argparse.Namespace, shape: Shape, root: str, place=None,
     from ..offline.synthetic import synthetic_profile
     from ..paths import content_hash
 
-    gguf_path = os.path.join(root, gguf_name(args.layers, shape))
+    gguf_path = os.path.join(root, gguf_name(args.layers, shape, file_quant(args)))
     if not os.path.isfile(gguf_path):
         print(f"writing {gguf_path}", file=sys.stderr)
         # under a temporary name until complete: an interrupted write must not leave a
         # truncated file that the next run would take for the model
         partial = gguf_path + ".partial"
-        write_gguf(partial, args.layers, src=src, shape=shape)
+        write_gguf(partial, args.layers, src=src, shape=shape, quant=file_quant(args))
         os.replace(partial, gguf_path)
     model_hash = content_hash(gguf_path)
-    dense = load(gguf_path, dtype=args.dtype, threads=args.threads, with_tokenizer=False)
+    dense = load(gguf_path, dtype=engine_dtype(args), threads=args.threads, with_tokenizer=False)
     profile = synthetic_profile(args.layers, shape.n_ff, sparsity=args.sparsity)
     profile.manifest.update(model={"hash": model_hash}, criterion="gate_up")
     profile.save(os.path.join(root, "profile"))
@@ -284,7 +305,7 @@ def planted_model(args: argparse.Namespace, shape: Shape, root: str, place=None,
     del dense  # packing holds the model's state and the shards: not a third copy as well
     gc.collect()
     placement = place(profile, model_hash) if place is not None else None
-    pack_model(gguf_path, packed_dir, profile, preds, placement, args.dtype, force=True)
+    pack_model(gguf_path, packed_dir, profile, preds, placement, engine_dtype(args), force=True)
     gc.collect()
     return gguf_path, packed_dir, preds
 
@@ -322,10 +343,10 @@ def run(args: argparse.Namespace) -> int:
         # The sparse model first: its scattered row reads need huge pages more than the dense
         # model's sequential ones, and the second 7 GB model loaded finds them scarcer (16
         # layers, dense loaded first: dense 91%, sparse 78% of weights on huge pages).
-        sparse_lm = load_packed(packed_dir, mode="sparse", dtype=args.dtype, threads=args.threads, with_tokenizer=False,
+        sparse_lm = load_packed(packed_dir, mode="sparse", dtype=engine_dtype(args), threads=args.threads, with_tokenizer=False,
                                 predictor_bypass=None)  # calibrated below to the target share
         sparse = sparse_lm.model
-        dense = load(gguf_path, dtype=args.dtype, threads=args.threads, with_tokenizer=False)
+        dense = load(gguf_path, dtype=engine_dtype(args), threads=args.threads, with_tokenizer=False)
         calibrated = calibrate_active_share(sparse, 1 - args.sparsity, n=args.tokens)
         decode_speed(dense.model, 2), decode_speed(sparse, 2)  # warm-up
         # Rounds alternate dense and sparse, and the bus is probed in each: this machine's
@@ -344,12 +365,14 @@ def run(args: argparse.Namespace) -> int:
             d_speeds.append(statistics.harmonic_mean([before, after]))  # tokens over time, both halves
         huge = {name: huge_page_share(m.tensors()) for name, m in (("dense", dense.model), ("sparse", sparse))}
         ratios = [b / a for a, b in zip(d_speeds, s_speeds)]
-        el = 2
+        # bytes per weight: 16-bit, or Q4_0 blocks (18 bytes / 32) with the sparse engine's
+        # transposed down projection in Q8_0 (34 / 32)
+        el, el_down = (18 / 32, 34 / 32) if file_quant(args) else (2, 2)
         attn = args.layers * 4 * D * D * el
-        head = dense.model.lm_head.weight.numel() * el
+        head = dense.model.lm_head.out_features * D * el
         pred = sum(p.n_params for p in preds.layers) * 4
         frac = statistics.mean(active)
-        sparse_bytes = attn + head + pred + frac * args.layers * N_FF * 3 * D * el
+        sparse_bytes = attn + head + pred + frac * args.layers * N_FF * D * (2 * el + el_down)
         dense_bytes = attn + head + args.layers * N_FF * 3 * D * el
         # The bus per round: its probe, or what the dense engine read in that round where that is
         # more (it reads the weights once per token, sequentially: a bound it beats is no bound).

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import BadArgumentError
-from ..loader import DTYPES, set_threads
+from ..loader import DTYPES, NATIVE, set_threads
 from ..units import format_size, parse_size
 
 
@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default="auto",
                    help="auto (default: cpu without CUDA, else measured), a built-in name or a JSON/TOML file")
     p.add_argument("--vram-budget", default=None, help="GPU bytes to use, e.g. 6GiB (default: all of the GPU)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="packed weight dtype (default fp32)")
+    p.add_argument("--dtype", choices=[*DTYPES, NATIVE], default="fp32",
+                   help="packed weight dtype (default fp32); native keeps a GGUF's quantized blocks")
     p.add_argument("--dataset", default="sharegpt", help="profiling prompts: sharegpt (default), .txt or .jsonl")
     p.add_argument("--prompts", type=int, default=256, help="prompts to profile (default 256)")
     p.add_argument("--heldout", type=int, default=32, help="held-out prompts for the sparsity search (default 32)")

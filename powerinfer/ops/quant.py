@@ -225,6 +225,36 @@ def _q6_k_block_dot(w, r, b, v, xs16):
 
 
 @njit(fastmath=True)
+def small_dot4(w, r0, r1, r2, r3, v, xs):
+    """Rows r0..r3 (Q4_0, Q4_1, Q8_0) dotted with v in one pass over v's blocks; xs: v's
+    block sums. The block dots are called, not inlined: so they vectorise."""
+    nb, bb = w.shape[1], w.shape[2]
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    if bb == 20:
+        for blk in range(nb):
+            base, s = 32 * blk, xs[blk]
+            a0 += _half(w[r0, blk, 0], w[r0, blk, 1]) * _q4_1_dot(w, r0, blk, v, base) + _half(w[r0, blk, 2], w[r0, blk, 3]) * s
+            a1 += _half(w[r1, blk, 0], w[r1, blk, 1]) * _q4_1_dot(w, r1, blk, v, base) + _half(w[r1, blk, 2], w[r1, blk, 3]) * s
+            a2 += _half(w[r2, blk, 0], w[r2, blk, 1]) * _q4_1_dot(w, r2, blk, v, base) + _half(w[r2, blk, 2], w[r2, blk, 3]) * s
+            a3 += _half(w[r3, blk, 0], w[r3, blk, 1]) * _q4_1_dot(w, r3, blk, v, base) + _half(w[r3, blk, 2], w[r3, blk, 3]) * s
+    elif bb == 18:
+        for blk in range(nb):
+            base, e = 32 * blk, np.float32(8.0) * xs[blk]
+            a0 += _half(w[r0, blk, 0], w[r0, blk, 1]) * (_q4_0_dot(w, r0, blk, v, base) - e)
+            a1 += _half(w[r1, blk, 0], w[r1, blk, 1]) * (_q4_0_dot(w, r1, blk, v, base) - e)
+            a2 += _half(w[r2, blk, 0], w[r2, blk, 1]) * (_q4_0_dot(w, r2, blk, v, base) - e)
+            a3 += _half(w[r3, blk, 0], w[r3, blk, 1]) * (_q4_0_dot(w, r3, blk, v, base) - e)
+    else:
+        for blk in range(nb):
+            base = 32 * blk
+            a0 += _half(w[r0, blk, 0], w[r0, blk, 1]) * _q8_0_dot(w, r0, blk, v, base)
+            a1 += _half(w[r1, blk, 0], w[r1, blk, 1]) * _q8_0_dot(w, r1, blk, v, base)
+            a2 += _half(w[r2, blk, 0], w[r2, blk, 1]) * _q8_0_dot(w, r2, blk, v, base)
+            a3 += _half(w[r3, blk, 0], w[r3, blk, 1]) * _q8_0_dot(w, r3, blk, v, base)
+    return a0, a1, a2, a3
+
+
+@njit(fastmath=True)
 def _small_row_dot(w, r, v, xs):
     """Row r (Q4_0, Q4_1, Q8_0) dotted with v: per block, sum((q - 8) d x) =
     d (sum(q x) - 8 sum(x)) and sum((q d + m) x) = d sum(q x) + m sum(x), the block sums of x
@@ -286,32 +316,7 @@ def add_matvec_q(w, v, b, x, threads):
         xs = _block_sums(v, nb)
         q = n // 4
         for i in prange(q):  # rows i, i+q, i+2q, i+3q: four streams, each block of v read once
-            a0 = a1 = a2 = a3 = np.float32(0.0)
-            if bb == 20:
-                for blk in range(nb):
-                    base, s = 32 * blk, xs[blk]
-                    a0 += _half(w[i, blk, 0], w[i, blk, 1]) * _q4_1_dot(w, i, blk, v, base) + _half(
-                        w[i, blk, 2], w[i, blk, 3]) * s
-                    a1 += _half(w[i + q, blk, 0], w[i + q, blk, 1]) * _q4_1_dot(w, i + q, blk, v, base) + _half(
-                        w[i + q, blk, 2], w[i + q, blk, 3]) * s
-                    a2 += _half(w[i + 2 * q, blk, 0], w[i + 2 * q, blk, 1]) * _q4_1_dot(w, i + 2 * q, blk, v, base) + _half(
-                        w[i + 2 * q, blk, 2], w[i + 2 * q, blk, 3]) * s
-                    a3 += _half(w[i + 3 * q, blk, 0], w[i + 3 * q, blk, 1]) * _q4_1_dot(w, i + 3 * q, blk, v, base) + _half(
-                        w[i + 3 * q, blk, 2], w[i + 3 * q, blk, 3]) * s
-            elif bb == 18:
-                for blk in range(nb):
-                    base, e = 32 * blk, np.float32(8.0) * xs[blk]
-                    a0 += _half(w[i, blk, 0], w[i, blk, 1]) * (_q4_0_dot(w, i, blk, v, base) - e)
-                    a1 += _half(w[i + q, blk, 0], w[i + q, blk, 1]) * (_q4_0_dot(w, i + q, blk, v, base) - e)
-                    a2 += _half(w[i + 2 * q, blk, 0], w[i + 2 * q, blk, 1]) * (_q4_0_dot(w, i + 2 * q, blk, v, base) - e)
-                    a3 += _half(w[i + 3 * q, blk, 0], w[i + 3 * q, blk, 1]) * (_q4_0_dot(w, i + 3 * q, blk, v, base) - e)
-            else:
-                for blk in range(nb):
-                    base = 32 * blk
-                    a0 += _half(w[i, blk, 0], w[i, blk, 1]) * _q8_0_dot(w, i, blk, v, base)
-                    a1 += _half(w[i + q, blk, 0], w[i + q, blk, 1]) * _q8_0_dot(w, i + q, blk, v, base)
-                    a2 += _half(w[i + 2 * q, blk, 0], w[i + 2 * q, blk, 1]) * _q8_0_dot(w, i + 2 * q, blk, v, base)
-                    a3 += _half(w[i + 3 * q, blk, 0], w[i + 3 * q, blk, 1]) * _q8_0_dot(w, i + 3 * q, blk, v, base)
+            a0, a1, a2, a3 = small_dot4(w, i, i + q, i + 2 * q, i + 3 * q, v, xs)
             x[i] += a0
             x[i + q] += a1
             x[i + 2 * q] += a2

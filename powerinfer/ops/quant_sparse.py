@@ -15,7 +15,7 @@ from numba import njit, prange
 
 from .cpu import _act, gated_value
 from .criterion import GATE
-from .quant import _block_sums, _half, _q4_k_block_dot, _q6_k_block_dot, _small_row_dot, _u8, dequantize_row
+from .quant import _block_sums, _half, _q4_k_block_dot, _q6_k_block_dot, _small_row_dot, _u8, dequantize_row, small_dot4
 
 
 @njit(fastmath=True)
@@ -73,9 +73,22 @@ def ffn_rows_q(w_in, w_up, wt_down, x, idx, gated, b_in, act_id, up_act_id, crit
         v = x[t]
         xs = _block_sums(v, d // 32)
         xs16 = _sums16(v)
+        small = w_in.shape[2] == 18 or w_in.shape[2] == 20 or w_in.shape[2] == 34
         for c in prange(n_chunks):
             scratch = np.empty(d, dtype=np.float32)
-            for kk in range(c * k // n_chunks, (c + 1) * k // n_chunks):
+            lo, hi = c * k // n_chunks, (c + 1) * k // n_chunks
+            first = lo
+            if small and gated and criterion != GATE:  # four neurons per pass over x (up rows read anyway)
+                while first + 4 <= hi:
+                    r0, r1, r2, r3 = idx[first], idx[first + 1], idx[first + 2], idx[first + 3]
+                    g0, g1, g2, g3 = small_dot4(w_in, r0, r1, r2, r3, v, xs)
+                    u0, u1, u2, u3 = small_dot4(w_up, r0, r1, r2, r3, v, xs)
+                    h[t, first] = gated_value(_act(g0, act_id), u0, up_act_id, criterion, threshold)
+                    h[t, first + 1] = gated_value(_act(g1, act_id), u1, up_act_id, criterion, threshold)
+                    h[t, first + 2] = gated_value(_act(g2, act_id), u2, up_act_id, criterion, threshold)
+                    h[t, first + 3] = gated_value(_act(g3, act_id), u3, up_act_id, criterion, threshold)
+                    first += 4
+            for kk in range(first, hi):
                 r = idx[kk]
                 g = row_dot(w_in, r, v, xs, xs16, scratch)
                 if not gated:

@@ -56,36 +56,31 @@ class GGUFFile:
         """Drop the resident pages of tensors whose contents were copied (fused matrices), so
         that loading a model does not hold the file's pages and the copies at once. Safe:
         the file is mapped privately and never written; a later read maps the pages again."""
+        for name in names:
+            t = self._tensors.get(name)
+            if t is not None:
+                self._drop_pages(int(t.data_offset), int(t.n_bytes))
+
+    def release_copied(self, t: torch.Tensor) -> None:
+        """Drop the resident pages under `t` when it views this file's mapping and has been
+        copied elsewhere (same safety as `release`); anything else is left alone."""
+        data = getattr(self._reader, "data", None)
+        if data is None or t.device.type != "cpu":
+            return
+        base, addr, n = data.ctypes.data, t.data_ptr(), t.numel() * t.element_size()
+        if base <= addr and addr + n <= base + data.nbytes:
+            self._drop_pages(addr - base, n)
+
+    def _drop_pages(self, offset: int, n_bytes: int) -> None:
+        """madvise(DONTNEED) on the whole pages inside bytes [offset, offset + n_bytes) of the
+        mapping (none where the reader's map cannot be advised)."""
         import mmap
 
         mm = getattr(getattr(self._reader, "data", None), "_mmap", None)
         if mm is None or not hasattr(mm, "madvise"):
             return
-        page = mmap.PAGESIZE
-        for name in names:
-            t = self._tensors.get(name)
-            if t is None:
-                continue
-            start = -(-int(t.data_offset) // page) * page
-            end = (int(t.data_offset) + int(t.n_bytes)) // page * page
-            if end > start:
-                mm.madvise(mmap.MADV_DONTNEED, start, end - start)
-
-    def release_copied(self, t: torch.Tensor) -> None:
-        """Drop the resident pages under `t` when it views this file's mapping and has been
-        copied elsewhere (same safety as `release`); anything else is left alone."""
-        import mmap
-
-        data = getattr(self._reader, "data", None)
-        mm = getattr(data, "_mmap", None)
-        if mm is None or not hasattr(mm, "madvise") or t.device.type != "cpu":
-            return
-        base, addr, n = data.ctypes.data, t.data_ptr(), t.numel() * t.element_size()
-        if not (base <= addr and addr + n <= base + data.nbytes):
-            return
-        page = mmap.PAGESIZE
-        start = -(-(addr - base) // page) * page
-        end = (addr - base + n) // page * page
+        start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (offset + n_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
         if end > start:
             mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 

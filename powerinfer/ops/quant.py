@@ -18,9 +18,9 @@ the array's type (3-D uint8) and at run time from one number:
 | Q6_K | 210: u8 ql[128]; u8 qh[64]; i8 scales[16]; half d | 256 | 16 sub-blocks of 16: d sc (q - 32) |
 
 The GEMV widens each block to fp32 in registers (8-bit integer ops, see `_byte_to_float`)
-and multiplies by the fp32 activations, four rows per step; the K-quants and Q5 formats
-widen whole rows into a small fp32 scratch first (correct, not yet fast). Activations are not quantized to int8 as llama.cpp
-does: numba cannot emit VNNI integer dot products, and widening keeps the result equal to
+and multiplies by the fp32 activations: Q4_0, Q4_1 and Q8_0 four rows per step, Q4_K and
+Q6_K a row at a time; the Q5 formats widen a row into a small fp32 scratch first (correct,
+not yet fast). Activations are not quantized to int8 as llama.cpp does: numba cannot emit VNNI integer dot products, and widening keeps the result equal to
 the dequantize-then-fp32 reference. Batches (prefill) widen a tile of rows at a time into
 a reused fp32 buffer for torch's GEMM: no float copy of a whole matrix is kept or made.
 Every kernel's reference twin is `dequantize` (the gguf package's) and the fp32 op.
@@ -28,9 +28,12 @@ Every kernel's reference twin is `dequantize` (the gguf package's) and the fp32 
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import numpy as np
 import torch
 from llvmlite import ir
+import numba
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
@@ -121,31 +124,25 @@ _b0, _b2, _b4, _b6 = (_byte_to_float(f"b{k}") for k in (0, 2, 4, 6))
 
 
 @njit(inline="always", fastmath=True)
-def _block_sums(v, nb):
-    """sum(v[32 b : 32 b + 32]) for every block b."""
-    s = np.empty(nb, dtype=np.float32)
-    for b in range(nb):
+def span_sums(v, span):
+    """sum(v[span k : span (k + 1)]) for every k: the sums of x that the block dots take once
+    per call (32: a block or K-quant sub-block; 16: a Q6_K sub-block)."""
+    s = np.empty(v.shape[0] // span, dtype=np.float32)
+    for k in range(s.shape[0]):
         acc = np.float32(0.0)
-        for j in range(32):
-            acc += v[32 * b + j]
-        s[b] = acc
+        for j in range(span):
+            acc += v[span * k + j]
+        s[k] = acc
     return s
 
 
 @njit(fastmath=True)
-def _q4_0_dot(w, r, b, v, base):
+def _nibble_dot(w, r, b, off, v, base):
+    """sum over a block's 32 nibbles q (16 bytes from `off`: 2 in Q4_0, 4 in Q4_1) of
+    q * v[base:]; low nibbles are weights 0-15, high ones 16-31."""
     acc = np.float32(0.0)
     for j in range(16):
-        q = w[r, b, 2 + j]
-        acc += _lo(q) * v[base + j] + _hi(q) * v[base + 16 + j]
-    return acc
-
-
-@njit(fastmath=True)
-def _q4_1_dot(w, r, b, v, base):
-    acc = np.float32(0.0)
-    for j in range(16):
-        q = w[r, b, 4 + j]
+        q = w[r, b, off + j]
         acc += _lo(q) * v[base + j] + _hi(q) * v[base + 16 + j]
     return acc
 
@@ -233,17 +230,17 @@ def small_dot4(w, r0, r1, r2, r3, v, xs):
     if bb == 20:
         for blk in range(nb):
             base, s = 32 * blk, xs[blk]
-            a0 += _half(w[r0, blk, 0], w[r0, blk, 1]) * _q4_1_dot(w, r0, blk, v, base) + _half(w[r0, blk, 2], w[r0, blk, 3]) * s
-            a1 += _half(w[r1, blk, 0], w[r1, blk, 1]) * _q4_1_dot(w, r1, blk, v, base) + _half(w[r1, blk, 2], w[r1, blk, 3]) * s
-            a2 += _half(w[r2, blk, 0], w[r2, blk, 1]) * _q4_1_dot(w, r2, blk, v, base) + _half(w[r2, blk, 2], w[r2, blk, 3]) * s
-            a3 += _half(w[r3, blk, 0], w[r3, blk, 1]) * _q4_1_dot(w, r3, blk, v, base) + _half(w[r3, blk, 2], w[r3, blk, 3]) * s
+            a0 += _half(w[r0, blk, 0], w[r0, blk, 1]) * _nibble_dot(w, r0, blk, 4, v, base) + _half(w[r0, blk, 2], w[r0, blk, 3]) * s
+            a1 += _half(w[r1, blk, 0], w[r1, blk, 1]) * _nibble_dot(w, r1, blk, 4, v, base) + _half(w[r1, blk, 2], w[r1, blk, 3]) * s
+            a2 += _half(w[r2, blk, 0], w[r2, blk, 1]) * _nibble_dot(w, r2, blk, 4, v, base) + _half(w[r2, blk, 2], w[r2, blk, 3]) * s
+            a3 += _half(w[r3, blk, 0], w[r3, blk, 1]) * _nibble_dot(w, r3, blk, 4, v, base) + _half(w[r3, blk, 2], w[r3, blk, 3]) * s
     elif bb == 18:
         for blk in range(nb):
             base, e = 32 * blk, np.float32(8.0) * xs[blk]
-            a0 += _half(w[r0, blk, 0], w[r0, blk, 1]) * (_q4_0_dot(w, r0, blk, v, base) - e)
-            a1 += _half(w[r1, blk, 0], w[r1, blk, 1]) * (_q4_0_dot(w, r1, blk, v, base) - e)
-            a2 += _half(w[r2, blk, 0], w[r2, blk, 1]) * (_q4_0_dot(w, r2, blk, v, base) - e)
-            a3 += _half(w[r3, blk, 0], w[r3, blk, 1]) * (_q4_0_dot(w, r3, blk, v, base) - e)
+            a0 += _half(w[r0, blk, 0], w[r0, blk, 1]) * (_nibble_dot(w, r0, blk, 2, v, base) - e)
+            a1 += _half(w[r1, blk, 0], w[r1, blk, 1]) * (_nibble_dot(w, r1, blk, 2, v, base) - e)
+            a2 += _half(w[r2, blk, 0], w[r2, blk, 1]) * (_nibble_dot(w, r2, blk, 2, v, base) - e)
+            a3 += _half(w[r3, blk, 0], w[r3, blk, 1]) * (_nibble_dot(w, r3, blk, 2, v, base) - e)
     else:
         for blk in range(nb):
             base = 32 * blk
@@ -264,10 +261,10 @@ def _small_row_dot(w, r, v, xs):
     acc = np.float32(0.0)
     if bb == 18:
         for b in range(nb):
-            acc += _half(w[r, b, 0], w[r, b, 1]) * (_q4_0_dot(w, r, b, v, 32 * b) - np.float32(8.0) * xs[b])
+            acc += _half(w[r, b, 0], w[r, b, 1]) * (_nibble_dot(w, r, b, 2, v, 32 * b) - np.float32(8.0) * xs[b])
     elif bb == 20:
         for b in range(nb):
-            acc += _half(w[r, b, 0], w[r, b, 1]) * _q4_1_dot(w, r, b, v, 32 * b) + _half(w[r, b, 2], w[r, b, 3]) * xs[b]
+            acc += _half(w[r, b, 0], w[r, b, 1]) * _nibble_dot(w, r, b, 4, v, 32 * b) + _half(w[r, b, 2], w[r, b, 3]) * xs[b]
     else:
         for b in range(nb):
             acc += _half(w[r, b, 0], w[r, b, 1]) * _q8_0_dot(w, r, b, v, 32 * b)
@@ -302,18 +299,39 @@ def dequantize_row(w, r, out):
         _dequantize_row_generic(w, r, out)
 
 
+@njit(inline="always", fastmath=True)
+def row_dot(w, r, v, xs, xs16, scratch):
+    """Row r of quantized w dotted with v, any format: xs / xs16 are v's sums over 32 / 16
+    weights (span_sums), `scratch` a (cols,) fp32 buffer for the formats read through
+    dequantization (Q5_0, Q5_1, Q5_K)."""
+    bb = w.shape[2]
+    if bb == 18 or bb == 20 or bb == 34:
+        return _small_row_dot(w, r, v, xs)
+    acc = np.float32(0.0)
+    if bb == 144:
+        for b in range(w.shape[1]):
+            acc += _q4_k_block_dot(w, r, b, v, xs)
+    elif bb == 210:
+        for b in range(w.shape[1]):
+            acc += _q6_k_block_dot(w, r, b, v, xs16)
+    else:
+        dequantize_row(w, r, scratch)
+        for j in range(v.shape[0]):
+            acc += scratch[j] * v[j]
+    return acc
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def add_matvec_q(w, v, b, x, threads):
     """x += W v (+ b) for quantized W, in parallel.
 
-    Q4_0, Q4_1, Q8_0: the blocks' dots directly (only loads, so LLVM vectorises them).
-    The other formats: each thread widens four of its rows into an L1-resident fp32 scratch,
-    then dots them with v in one pass."""
-    n, nb, bb = w.shape[0], w.shape[1], w.shape[2]
+    Q4_0, Q4_1, Q8_0: the blocks' dots directly (only loads, so LLVM vectorises them), four
+    rows per step. The other formats: `row_dot`, one row at a time."""
+    n, bb = w.shape[0], w.shape[2]
     cols = v.shape[0]
     has_b = b.shape[0] > 0
     if bb == 18 or bb == 20 or bb == 34:
-        xs = _block_sums(v, nb)
+        xs = span_sums(v, 32)
         q = n // 4
         for i in prange(q):  # rows i, i+q, i+2q, i+3q: four streams, each block of v read once
             a0, a1, a2, a3 = small_dot4(w, i, i + q, i + 2 * q, i + 3 * q, v, xs)
@@ -323,51 +341,11 @@ def add_matvec_q(w, v, b, x, threads):
             x[i + 3 * q] += a3
         for i in range(4 * q, n):
             x[i] += _small_row_dot(w, i, v, xs)
-    elif bb == 210:  # Q6_K: the block dots directly, one row per step
-        xs16 = np.empty(cols // 16, dtype=np.float32)
-        for k in range(cols // 16):
-            acc = np.float32(0.0)
-            for j in range(16):
-                acc += v[16 * k + j]
-            xs16[k] = acc
+    else:  # one row at a time: block dots (K-quants) or a widened row (Q5 formats)
+        xs, xs16 = span_sums(v, 32), span_sums(v, 16)
+        scratch = np.empty((threads, cols), dtype=np.float32)  # one per worker thread
         for i in prange(n):
-            acc = np.float32(0.0)
-            for blk in range(nb):
-                acc += _q6_k_block_dot(w, i, blk, v, xs16)
-            x[i] += acc
-    elif bb == 144:  # Q4_K: the block dots directly, one row per step
-        xs = _block_sums(v, cols // 32)
-        for i in prange(n):
-            acc = np.float32(0.0)
-            for blk in range(nb):
-                acc += _q4_k_block_dot(w, i, blk, v, xs)
-            x[i] += acc
-    else:
-        for t in prange(threads):
-            lo, hi = t * n // threads, (t + 1) * n // threads
-            buf = np.empty((4, cols), dtype=np.float32)
-            i = lo
-            while i < hi:
-                k_n = min(4, hi - i)
-                for k in range(k_n):
-                    dequantize_row(w, i + k, buf[k])
-                for k in range(k_n, 4):
-                    buf[k, :] = 0.0
-                a0 = a1 = a2 = a3 = np.float32(0.0)
-                for j in range(cols):
-                    vj = v[j]
-                    a0 += buf[0, j] * vj
-                    a1 += buf[1, j] * vj
-                    a2 += buf[2, j] * vj
-                    a3 += buf[3, j] * vj
-                x[i] += a0
-                if k_n > 1:
-                    x[i + 1] += a1
-                if k_n > 2:
-                    x[i + 2] += a2
-                if k_n > 3:
-                    x[i + 3] += a3
-                i += k_n
+            x[i] += row_dot(w, i, v, xs, xs16, scratch[numba.get_thread_id()])
     if has_b:
         for k in range(n):
             x[k] += b[k]
@@ -443,16 +421,23 @@ def _dequantize_row_generic(w, r, out):
 
 def matmul(t: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (T, cols) @ W.T (+ bias) for quantized W: TILE_ROWS rows widened at a time."""
-    rows, cols = shape_of(t)
-    w = t.numpy()
-    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
-    tile = np.empty((min(TILE_ROWS, rows), cols), dtype=np.float32)
+    out = torch.empty(x.shape[0], shape_of(t)[0], dtype=torch.float32)
     xf = x.float()
+    for r0, tile in tiles(t):
+        torch.matmul(xf, tile.t(), out=out[:, r0 : r0 + tile.shape[0]])
+    return out if bias is None else out.add_(bias)
+
+
+def tiles(t: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, fp32 rows) of quantized `t`, TILE_ROWS rows at a time, widened into one
+    reused buffer: each tile is valid until the next one is made."""
+    rows, cols = shape_of(t)
+    buf = np.empty((min(TILE_ROWS, rows), cols), dtype=np.float32)
+    w = t.numpy()
     for r0 in range(0, rows, TILE_ROWS):
         n = min(TILE_ROWS, rows - r0)
-        dequantize_rows(w, r0, tile[:n])
-        torch.matmul(xf, torch.from_numpy(tile[:n]).t(), out=out[:, r0 : r0 + n])
-    return out if bias is None else out.add_(bias)
+        dequantize_rows(w, r0, buf[:n])
+        yield r0, torch.from_numpy(buf[:n])
 
 
 def embedding(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -483,27 +468,19 @@ def cat_rows(parts: list[torch.Tensor], notes: set[str] | None = None) -> torch.
 def widen(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The matrix of quantized `t` in `dtype`, widened a tile at a time (gguf's numpy
     dequantize makes temporaries many times the matrix's size)."""
-    rows, cols = shape_of(t)
-    out = torch.empty(rows, cols, dtype=dtype)
-    tile = np.empty((min(TILE_ROWS, rows), cols), dtype=np.float32)
-    for r0 in range(0, rows, TILE_ROWS):
-        n = min(TILE_ROWS, rows - r0)
-        dequantize_rows(t.numpy(), r0, tile[:n])
-        out[r0 : r0 + n] = torch.from_numpy(tile[:n])
+    out = torch.empty(*shape_of(t), dtype=dtype)
+    for r0, tile in tiles(t):
+        out[r0 : r0 + tile.shape[0]] = tile
     return out
 
 
 def matmul_t(t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """h (T, rows) @ W (rows, cols) for quantized W, TILE_ROWS rows widened at a time: a
     transposed down projection applied to a batch of neuron values."""
-    rows, cols = shape_of(t)
-    out = torch.zeros(h.shape[0], cols, dtype=torch.float32)
-    tile = np.empty((min(TILE_ROWS, rows), cols), dtype=np.float32)
+    out = torch.zeros(h.shape[0], shape_of(t)[1], dtype=torch.float32)
     hf = h.float()
-    for r0 in range(0, rows, TILE_ROWS):
-        n = min(TILE_ROWS, rows - r0)
-        dequantize_rows(t.numpy(), r0, tile[:n])
-        out.addmm_(hf[:, r0 : r0 + n], torch.from_numpy(tile[:n]))
+    for r0, tile in tiles(t):
+        out.addmm_(hf[:, r0 : r0 + tile.shape[0]], tile)
     return out
 
 

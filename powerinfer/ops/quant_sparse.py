@@ -15,39 +15,7 @@ from numba import njit, prange
 
 from .cpu import _act, gated_value
 from .criterion import GATE
-from .quant import _block_sums, _half, _q4_k_block_dot, _q6_k_block_dot, _small_row_dot, _u8, dequantize_row, small_dot4
-
-
-@njit(fastmath=True)
-def row_dot(w, r, v, xs, xs16, scratch):
-    """Row r of quantized w dotted with v, any format: xs / xs16 are v's sums over 32 / 16
-    weights, `scratch` a (cols,) fp32 buffer for the formats read through dequantization."""
-    bb = w.shape[2]
-    if bb == 18 or bb == 20 or bb == 34:
-        return _small_row_dot(w, r, v, xs)
-    acc = np.float32(0.0)
-    if bb == 144:
-        for b in range(w.shape[1]):
-            acc += _q4_k_block_dot(w, r, b, v, xs)
-    elif bb == 210:
-        for b in range(w.shape[1]):
-            acc += _q6_k_block_dot(w, r, b, v, xs16)
-    else:
-        dequantize_row(w, r, scratch)
-        for j in range(v.shape[0]):
-            acc += scratch[j] * v[j]
-    return acc
-
-
-@njit(fastmath=True)
-def _sums16(v):
-    s = np.empty(v.shape[0] // 16, dtype=np.float32)
-    for k in range(s.shape[0]):
-        acc = np.float32(0.0)
-        for j in range(16):
-            acc += v[16 * k + j]
-        s[k] = acc
-    return s
+from .quant import _half, _u8, row_dot, small_dot4, span_sums
 
 
 @njit(fastmath=True)
@@ -71,8 +39,7 @@ def ffn_rows_q(w_in, w_up, wt_down, x, idx, gated, b_in, act_id, up_act_id, crit
     d_out = out.shape[1]
     for t in range(T):
         v = x[t]
-        xs = _block_sums(v, d // 32)
-        xs16 = _sums16(v)
+        xs, xs16 = span_sums(v, 32), span_sums(v, 16)
         small = w_in.shape[2] == 18 or w_in.shape[2] == 20 or w_in.shape[2] == 34
         for c in prange(n_chunks):
             scratch = np.empty(d, dtype=np.float32)

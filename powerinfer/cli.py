@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 from .errors import PowerInferError
@@ -25,9 +26,31 @@ SUBCOMMANDS = {
 }
 
 
+class UsageError(Exception):
+    """A flag argparse could not read (raised instead of argparse's exit)."""
+
+    def __init__(self, message: str, prog: str):
+        super().__init__(message)
+        self.prog = prog
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with its errors as one `powerinfer: error:` line (and a one-line hint) instead
+    of the usage block, and values such as `-5GiB` read as values, not as unknown options."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # argparse takes only plain negative numbers (-5, -.5) as values; a size such as -5GiB
+        # would otherwise be "expected one argument". None of our options starts with a digit.
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
+    def error(self, message: str):
+        raise UsageError(message, self.prog)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="powerinfer", description="PowerInfer-style LLM inference")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
+    parser = OneLineParser(prog="powerinfer", description="PowerInfer-style LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND", parser_class=OneLineParser)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -37,7 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        print(f"powerinfer: error: {e}", file=sys.stderr)
+        print(f"(see `{e.prog} --help`)", file=sys.stderr)
+        return 2
     try:
         return int(args._run(args) or 0)
     except PowerInferError as e:

@@ -17,6 +17,10 @@ class ContextLengthError(PowerInferError):
     """The prompt plus the requested tokens do not fit the model's context."""
 
 
+class NonFiniteError(PowerInferError):
+    """The model's output became NaN or Inf while generating."""
+
+
 class BadArgumentError(PowerInferError):
     """A flag or parameter has a value we cannot honour."""
 

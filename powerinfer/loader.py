@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -10,6 +11,7 @@ from typing import Any, Callable
 import torch
 
 from .errors import BadArgumentError, ModelFileError
+from .formats.finite import check_finite
 from .formats.gguf import GGUF_MAGIC, open_gguf
 from .formats.hf import open_hf_dir
 from .models import family_module
@@ -84,16 +86,60 @@ def open_model(path: str, native: bool = False) -> tuple[ModelArgs, dict[str, to
     if os.path.isdir(path):
         ckpt = open_hf_dir(path)
         family = family_module(str(ckpt.config.get("model_type", "")))
-        args = family.args_from_hf(ckpt.config)
-        return args, family.state_from_hf(ckpt, args), None
+        config = os.path.join(path, "config.json")
+        args = _checked_args(lambda: family.args_from_hf(ckpt.config), ckpt.tensor_names(), config)
+        state = _built(lambda: family.state_from_hf(ckpt, args), config)
+        _check_state(args, state, path, config)
+        return args, state, None
     g = open_gguf(path, native=native)
     family = family_module(g.architecture, gguf=True)
-    args = family.args_from_gguf(g)
-    state = family.state_from_gguf(g, args)
+    args = _checked_args(lambda: family.args_from_gguf(g), g.tensor_names(), f"{path}: the GGUF metadata")
+    state = _built(lambda: family.state_from_gguf(g, args), f"{path}: the GGUF metadata")
+    _check_state(args, state, path, f"{path}: the GGUF metadata")
     if g.dequantized:
         print(f"note: {path}: dequantized to bf16 (no native kernel for it yet): {'; '.join(sorted(g.dequantized))}",
               file=sys.stderr)
     return args, state, g.release_copied
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:blk|layers|h)\.(\d+)\.")
+
+
+def _checked_args(make: Callable[[], ModelArgs], tensor_names: list[str], source: str) -> ModelArgs:
+    """The family's ModelArgs, refused in one line naming `source` (config.json or the GGUF
+    metadata) when its sizes are impossible or its layer count is not the weights' one:
+    such a config would otherwise surface as a missing tensor or a division by zero."""
+    try:
+        args = make()
+    except ModelFileError as e:  # config_object's: say which config.json
+        raise ModelFileError(f"{source}: {str(e).removeprefix('config.json: ')}") from None
+    except ZeroDivisionError:
+        raise ModelFileError(f"{source}: a head count or size is zero") from None
+    except (TypeError, ValueError, KeyError) as e:
+        raise ModelFileError(f"{source}: cannot read the model's sizes ({e})") from None
+    try:
+        args.validate(ModelFileError, where="")
+    except ModelFileError as e:
+        raise ModelFileError(f"{source}: {e}") from None
+    layers = {int(m.group(1)) for name in tensor_names if (m := _LAYER_INDEX.search(name))}
+    if layers and max(layers) + 1 != args.n_layers:
+        raise ModelFileError(f"{source}: says {args.n_layers} layers, the weights hold {max(layers) + 1}")
+    return args
+
+
+def _built(make: Callable[[], dict], source: str) -> dict:
+    """The family's state dict; a reshape that the sizes make impossible is the config's fault."""
+    try:
+        return make()
+    except RuntimeError as e:
+        raise ModelFileError(f"{source}: the sizes disagree with the weights ({str(e).splitlines()[0]})") from None
+
+
+def _check_state(args: ModelArgs, state: dict, path: str, source: str) -> None:
+    problem = args.shape_problem(state)
+    if problem:
+        raise ModelFileError(f"{source}: the sizes disagree with the weights ({problem})")
+    check_finite(state.items(), path)
 
 
 def model_files(path: str) -> list[str]:

@@ -6,7 +6,12 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from .errors import BadArgumentError, ModelFileError
 
@@ -89,11 +94,19 @@ def check_output_file(path: str, force: bool, flag: str) -> None:
         raise BadArgumentError(f"{path} exists; pass --force to overwrite it")
 
 
+@dataclass(frozen=True)
+class Artefact:
+    """A folder format we write: its manifest's `format`, what to call it, and the names it
+    may hold (anything else in such a folder is the user's and is never replaced)."""
+
+    format: str
+    what: str
+    names: frozenset[str]
+
+
 def holds_artefact(path: str, fmt: str) -> bool:
     """Whether directory `path` holds one of our artefacts of format `fmt` (its manifest.json
     says so)."""
-    import json
-
     try:
         with open(os.path.join(path, "manifest.json")) as f:
             return json.load(f).get("format") == fmt
@@ -101,17 +114,99 @@ def holds_artefact(path: str, fmt: str) -> bool:
         return False
 
 
-def check_output_dir(path: str, force: bool, flag: str, fmt: str, what: str) -> None:
+def _foreign(path: str, artefact: Artefact) -> list[str]:
+    return sorted(n for n in os.listdir(path) if n not in artefact.names)
+
+
+def check_output_dir(path: str, force: bool, flag: str, artefact: Artefact) -> None:
     """Refuse, before any work is done, an output folder we may not write: a file; a folder
-    holding our own `fmt` artefact (`what`), unless `force`; a non-empty folder holding
-    anything else, always (we never delete what we did not write)."""
+    holding our own artefact, unless `force`; a non-empty folder holding anything else,
+    always (we never replace what we did not write)."""
     if os.path.isfile(path):
         raise BadArgumentError(f"{flag} {path} is a file, not a folder")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise BadArgumentError(f"{flag} {path}: no such folder {parent}")
     if not os.path.isdir(path) or not os.listdir(path):
         return
-    if holds_artefact(path, fmt):
+    if holds_artefact(path, artefact.format):
         if not force:
-            raise BadArgumentError(f"{path} already holds a {what}; pass --force to replace it")
+            raise BadArgumentError(f"{path} already holds a {artefact.what}; pass --force to replace it")
+        foreign = _foreign(path, artefact)
+        if foreign:
+            raise BadArgumentError(f"{path} holds a {artefact.what} and other files ({', '.join(foreign[:3])}); "
+                                   "move them out first (nothing is replaced that powerinfer did not write)")
         return
     raise BadArgumentError(f"{flag} {path} is a folder with other files in it; choose a new or empty folder "
-                           f"(nothing is deleted that powerinfer did not write)")
+                           f"(nothing is replaced that powerinfer did not write)")
+
+
+@contextmanager
+def staged_dir(target: str, artefact: Artefact, in_cache: bool = False) -> Iterator[str]:
+    """A fresh temporary folder beside `target` to write an artefact into. On success it is
+    renamed into place (replacing an empty folder, or our own artefact: check_output_dir has
+    been asked first; `in_cache`: whatever is there, the cache being ours); on failure or
+    interruption it is removed and `target` is untouched."""
+    parent = os.path.dirname(os.path.abspath(target))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(target))}.", suffix=".partial", dir=parent)
+    try:
+        yield tmp
+        _publish(tmp, target, artefact, in_cache)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _publish(tmp: str, target: str, artefact: Artefact, in_cache: bool) -> None:
+    if not os.path.isdir(target):
+        os.rename(tmp, target)
+        return
+    if not os.listdir(target):
+        os.rmdir(target)
+        os.rename(tmp, target)
+        return
+    # re-checked here: the folder may have changed while the artefact was being written
+    if not in_cache and (not holds_artefact(target, artefact.format) or _foreign(target, artefact)):
+        raise BadArgumentError(f"{target} changed while the {artefact.what} was written and now holds other "
+                               "files; nothing was replaced")
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(target))}.", suffix=".old",
+                           dir=os.path.dirname(os.path.abspath(target)))
+    os.rmdir(old)
+    os.rename(target, old)
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def staged_file(path: str) -> Iterator[str]:
+    """A temporary file name beside `path` to write to; renamed over `path` on success (so a
+    reader never sees half a file), removed on failure."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".partial", dir=folder)
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def save_figure(fig, path: str) -> None:
+    """Save a matplotlib figure to `path` atomically, in the format its extension names."""
+    ext = os.path.splitext(path)[1].lstrip(".").lower() or "png"
+    with staged_file(path) as tmp:
+        fig.savefig(tmp, format=ext, dpi=120)
+
+
+def write_json(path: str, data: object, indent: int | None = 1) -> None:
+    """Write `data` as JSON to `path`, atomically (staged_file)."""
+    with staged_file(path) as tmp:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=indent)

@@ -75,14 +75,13 @@ class Request:
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
-def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
+def _number(body: dict, key: str, default: float) -> float:
+    """A number parameter (its range is checked by SamplingParams.validate, as for the CLI)."""
     v = body.get(key, default)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise APIError(400, f"'{key}' must be a number", code="invalid_type")
-    if not lo <= v <= hi:
-        raise APIError(400, f"'{key}' must be between {lo} and {hi}, got {v}", code="invalid_value")
     return float(v)
 
 
@@ -163,15 +162,16 @@ class Server:
         n = body.get("n", 1)
         if n != 1:
             raise APIError(400, "only n=1 is supported", code="unsupported_value")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16 if not chat else 256))
-        if max_tokens is None:
-            max_tokens = 256
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens_given = max_tokens is not None
+        if max_tokens is None:  # OpenAI's defaults; cut to what the context leaves
+            max_tokens = 256 if chat else 16
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
             raise APIError(400, "'max_tokens' must be an integer", code="invalid_type")
         if max_tokens < 0:
             raise APIError(400, f"'max_tokens' must be >= 0, got {max_tokens}", code="invalid_value")
-        temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-        top_p = _number(body, "top_p", 1.0, 1e-9, 1.0)
+        temperature = _number(body, "temperature", 1.0)
+        top_p = _number(body, "top_p", 1.0)
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise APIError(400, "'seed' must be an integer", code="invalid_type")
@@ -190,8 +190,14 @@ class Server:
         top_k = body.get("top_k", 0)
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
             raise APIError(400, "'top_k' must be an integer >= 0", code="invalid_value")
-        min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
-        repetition_penalty = _number(body, "repetition_penalty", 1.0, 1e-3, 100.0)
+        min_p = _number(body, "min_p", 0.0)
+        repetition_penalty = _number(body, "repetition_penalty", 1.0)
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                  repetition_penalty=repetition_penalty, seed=seed)
+        try:
+            sampling.validate()
+        except PowerInferError as e:
+            raise APIError(400, str(e), code="invalid_value") from None
         tok = self.lm.tokenizer
         if chat:
             messages = chat_messages(body.get("messages"))
@@ -200,15 +206,19 @@ class Server:
             except PowerInferError as e:
                 raise APIError(400, str(e)) from None
         else:
-            ids = prompt_ids(body.get("prompt"), tok, self.lm.args.vocab_size)
+            try:
+                ids = prompt_ids(body.get("prompt"), tok, self.lm.args.vocab_size)
+            except PowerInferError as e:
+                raise APIError(400, str(e)) from None
         limit = self.lm.args.max_seq_len
         if not ids:
             raise APIError(400, "the prompt is empty", code="invalid_value")
         if len(ids) >= limit:
             raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context is {limit} tokens",
                            code="context_length_exceeded")
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                  repetition_penalty=repetition_penalty, seed=seed)
+        if max_tokens_given and len(ids) + max_tokens > limit:  # as OpenAI: refused, not cut short
+            raise APIError(400, f"this model's context is {limit} tokens; the request asks for {len(ids) + max_tokens} "
+                           f"({len(ids)} in the prompt, {max_tokens} to generate)", code="context_length_exceeded")
         return Request(ids, max_tokens, sampling, stop, include_usage=options.get("include_usage", False)), stream
 
     def check_model(self, model: str) -> None:
@@ -268,6 +278,8 @@ class Server:
                 item = await queue.get()
                 if item is None:
                     return
+                if isinstance(item, PowerInferError):  # e.g. the output became NaN: say what happened
+                    raise APIError(500, f"generation failed: {item}", "server_error")
                 if isinstance(item, Exception):
                     raise APIError(500, f"generation failed: {type(item).__name__}", "server_error")
                 yield item

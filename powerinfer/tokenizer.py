@@ -26,6 +26,7 @@ class Tokenizer:
         self.eos_token_ids = sorted(ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        check_text(text, "the prompt")
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -46,6 +47,16 @@ class Tokenizer:
         return self.encode(self.chat_prompt(messages), add_special_tokens=False)
 
 
+def check_text(text: str, what: str) -> None:
+    """Refuse text that is not Unicode: bytes that were not UTF-8 (Python hands them over as
+    lone surrogates, from argv or stdin) or a lone surrogate from a JSON escape."""
+    for i, ch in enumerate(text):
+        if "\ud800" <= ch <= "\udfff":
+            code = ord(ch)
+            detail = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+            raise BadArgumentError(f"{what} is not valid UTF-8 text ({detail} at character {i})")
+
+
 def _quiet_transformers() -> None:
     from transformers.utils import logging
 
@@ -61,7 +72,11 @@ def load_tokenizer(model_path: str, eos_token_ids: Iterable[int] = ()) -> Tokeni
     if os.path.isdir(model_path):
         if not any(os.path.isfile(os.path.join(model_path, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
             return None
-        return Tokenizer(AutoTokenizer.from_pretrained(model_path), eos_token_ids)
+        try:
+            return Tokenizer(AutoTokenizer.from_pretrained(model_path), eos_token_ids)
+        except Exception as e:  # transformers raises JSON, OS, value and key errors on bad files
+            detail = " ".join(str(e).split())[:200]
+            raise ModelFileError(f"{model_path}: cannot load the tokenizer ({type(e).__name__}: {detail})") from None
     saved = cache_dir() / "tokenizers" / content_hash(model_path)
     if (saved / "tokenizer.json").is_file():
         return Tokenizer(AutoTokenizer.from_pretrained(str(saved)), eos_token_ids)

@@ -14,9 +14,10 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def export_gguf(hf_dir: Path, out: Path, arch: str = "llama", raw_types: dict[str, int] | None = None,
-                f16: bool = False) -> Path:
+                f16: bool = False, tokenizer_from: str | None = None) -> Path:
     """Convert the tiny HF model in `hf_dir` to GGUF; `raw_types` forces a tensor's GGML type;
-    `f16` stores the matrices as F16 (norms stay F32, as llama.cpp's converter does)."""
+    `f16` stores the matrices as F16 (norms stay F32, as llama.cpp's converter does);
+    `tokenizer_from` copies the tokenizer.* metadata of that GGUF file (same vocabulary)."""
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -33,6 +34,10 @@ def export_gguf(hf_dir: Path, out: Path, arch: str = "llama", raw_types: dict[st
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    if tokenizer_from:
+        for key, field in gguf.GGUFReader(tokenizer_from).fields.items():
+            if key.startswith("tokenizer."):
+                w.add_key_value(key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
     tensors = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
     if "lm_head.weight" in sd and not cfg.tie_word_embeddings:
         tensors["output.weight"] = sd["lm_head.weight"]

@@ -166,3 +166,27 @@ def test_warm_up_leaves_generation_unchanged(chat_model_dir):
     before = powerinfer.generate(lm, "Hello there", max_tokens=8, temperature=0)
     assert warm_up(lm.model) > 0
     assert powerinfer.generate(lm, "Hello there", max_tokens=8, temperature=0) == before
+
+
+def test_logits_that_become_nan_stop_the_generation_with_a_clear_error(chat_model_dir, monkeypatch):
+    """Weights can pass the load-time check and activations still overflow (fp16): the
+    generation stops with one clear error, not a crash or tokens sampled from NaN."""
+    import powerinfer
+    from powerinfer.engine.generate import stream_generate
+    from powerinfer.engine.sample import SamplingParams
+    from powerinfer.errors import NonFiniteError
+
+    lm = powerinfer.load(str(chat_model_dir))
+    forward, calls = lm.model.forward, []
+
+    def overflowing(tokens, cache, **kw):
+        calls.append(1)
+        logits = forward(tokens, cache, **kw)
+        return torch.full_like(logits, float("nan")) if len(calls) == 3 else logits
+
+    monkeypatch.setattr(lm.model, "forward", overflowing)
+    got = []
+    with pytest.raises(NonFiniteError, match="NaN or Inf at token 2"):
+        for r in stream_generate(lm.model, lm.tokenizer, "Hello", 8, SamplingParams(temperature=0)):
+            got.append(r.token)
+    assert len(got) == 2  # the tokens before the overflow were delivered

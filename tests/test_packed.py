@@ -568,10 +568,41 @@ def test_outputs_never_destroy_what_we_did_not_write(relu, tmp_path):
     with pytest.raises(BadArgumentError, match="already holds a packed model"):
         pack_model(relu.path, str(empty), relu.profile, None)
     pack_model(relu.path, str(empty), relu.profile, None, force=True)
+    (empty / "notes.txt").write_text("mine, in the packed model's folder")
+    with pytest.raises(BadArgumentError, match="and other files .notes.txt"):  # --force replaces only ours
+        pack_model(relu.path, str(empty), relu.profile, None, force=True)
+    assert (empty / "notes.txt").read_text().startswith("mine") and read_manifest(str(empty)).layers
     (tmp_path / "file").write_text("x")
-    for fmt, what in (("powerinfer-profile", "profile"), ("powerinfer-predictors", "set of predictors")):
+    from powerinfer.offline.stats import ARTEFACT as PROFILE
+    from powerinfer.offline.train import ARTEFACT as PREDICTORS
+
+    for artefact in (PROFILE, PREDICTORS):
         with pytest.raises(BadArgumentError, match="is a file"):
-            check_output_dir(str(tmp_path / "file"), True, "-o", fmt, what)
+            check_output_dir(str(tmp_path / "file"), True, "-o", artefact)
         with pytest.raises(BadArgumentError, match="other files in it"):
-            check_output_dir(str(mine), True, "-o", fmt, what)
-        check_output_dir(str(tmp_path / "new"), False, "-o", fmt, what)
+            check_output_dir(str(mine), True, "-o", artefact)
+        check_output_dir(str(tmp_path / "new"), False, "-o", artefact)
+
+
+def test_a_failed_write_leaves_the_old_artefact_and_no_debris(relu, tmp_path, monkeypatch):
+    """Outputs are written into a temporary folder beside the target and renamed into place:
+    a pack that fails half-way leaves the previous packed model as it was, and nothing else."""
+    import safetensors.torch
+
+    out = tmp_path / "packed"
+    pack_model(relu.path, str(out), relu.profile, None)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    calls = []
+
+    def failing_save(tensors, file, *a, **k):
+        calls.append(file)
+        if len(calls) == 2:  # the second shard: the first is already on disk
+            raise OSError("disk full (simulated)")
+        return real_save(tensors, file, *a, **k)
+
+    real_save = safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file", failing_save)
+    with pytest.raises(OSError, match="simulated"):
+        pack_model(relu.path, str(out), relu.profile, None, force=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["packed"]  # no temporary folder left behind

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -169,6 +170,12 @@ def test_a_non_streaming_client_that_gives_up_frees_its_slot(server):
     ({"model": NAME, "prompt": [5, 10**9]}, 400, "outside the vocabulary"),
     ({"model": NAME, "prompt": ["a", "b"]}, 400, "only one prompt"),
     ({"model": NAME, "prompt": "word " * 2100}, 400, "context is 2048 tokens"),
+    ({"model": NAME, "prompt": "x", "max_tokens": 10**12}, 400, "context is 2048 tokens"),
+    ({"model": NAME, "prompt": "x", "max_tokens": 2048}, 400, "asks for 2049"),
+    ({"model": NAME, "prompt": "x", "seed": 2**63}, 400, "64-bit"),
+    ({"model": NAME, "prompt": "x", "seed": -2**63 - 1}, 400, "64-bit"),
+    ({"model": NAME, "prompt": "x", "temperature": 2.5}, 400, "temperature"),
+    ({"model": NAME, "prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"model": NAME, "messages": "hi"}, 400, "messages"),
     ({"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role must be one of"),
     ({"model": NAME, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -183,9 +190,20 @@ def test_bad_requests_get_openai_shaped_errors(server, body, status, fragment):
     assert fragment in err["message"] and {"message", "type", "code"} <= set(err)
 
 
+@pytest.mark.parametrize("path,body,fragment", [
+    ("/v1/completions", {"model": NAME, "prompt": "caf\udce9"}, "not valid UTF-8"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "\ud800"}]}, "lone surrogate"),
+])
+def test_text_that_is_not_unicode_is_refused(server, path, body, fragment):
+    """JSON may escape a lone surrogate (\\ud800), which no tokenizer can take: 400, not 500."""
+    raw = json.dumps(body).encode()  # ensure_ascii: the surrogate travels as an escape
+    r = httpx.post(server + path, content=raw, headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and fragment in r.json()["error"]["message"]
+
+
 def test_text_parts_developer_role_and_any_seed(server):
     """Newer OpenAI clients send content as text parts and "developer" for "system"; a seed
-    is any integer (it used to fail with a 500 beyond 64 bits)."""
+    is any 64-bit integer (beyond it: 400, as OpenAI answers)."""
     c = client(server)
     plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     parts = [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
@@ -193,7 +211,7 @@ def test_text_parts_developer_role_and_any_seed(server):
     a, b = (c.chat.completions.create(model=NAME, messages=m, max_tokens=8, temperature=0).choices[0].message.content
             for m in (plain, parts))
     assert a == b and a
-    big = 10**30
+    big = 2**63 - 1
     x, y = (c.completions.create(model=NAME, prompt="Hello", max_tokens=6, temperature=1, seed=big).choices[0].text
             for _ in range(2))
     assert x == y  # seeded: the same text twice

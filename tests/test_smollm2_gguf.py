@@ -54,3 +54,27 @@ def test_chat_template_and_eos(ours):
     responses = list(powerinfer.stream_generate(ours, "Say hello.", max_tokens=200, temperature=0, chat=True))
     assert responses[-1].finish_reason == "stop"  # ended by <|im_end|>, not by the length limit
     assert "<|im_end|>" not in "".join(r.text for r in responses)
+
+
+def test_our_gguf_header_reader_equals_the_gguf_package(smollm2_path):
+    """formats/gguf_check.py reads the header itself (50x faster than gguf.GGUFReader on this
+    vocabulary): every metadata value and every tensor's type, shape, offset and bytes must
+    be what the gguf package's reader gives."""
+    import gguf
+    import numpy as np
+
+    from powerinfer.formats.gguf import open_gguf
+
+    ours = open_gguf(smollm2_path)
+    theirs = gguf.GGUFReader(smollm2_path)
+    fields = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}  # its pseudo-fields
+    assert fields.keys() == ours.metadata.keys()
+    for key, value in fields.items():
+        assert ours.metadata[key] == pytest.approx(value) if isinstance(value, float) else ours.metadata[key] == value
+        assert type(ours.metadata[key]) is type(value), key
+    assert len(theirs.tensors) == len(ours.tensor_names()) == 272
+    for t in theirs.tensors:
+        mine = ours._tensors[t.name]
+        assert (mine.tensor_type, mine.shape, mine.data_offset) == (t.tensor_type, [int(d) for d in t.shape],
+                                                                    int(t.data_offset))
+        assert mine.data.shape == t.data.shape and np.array_equal(mine.data.view(np.uint8), t.data.view(np.uint8))

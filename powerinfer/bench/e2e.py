@@ -14,7 +14,6 @@ The model must have been prepared (`powerinfer prepare`), or it is prepared firs
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
@@ -56,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import BadArgumentError, PowerInferError, require
     from ..loader import DTYPES, load
     from ..offline.prepare import PrepareSettings, prepare
-    from ..paths import check_output_file
+    from ..paths import check_output_file, write_json
     from ..timing import decode_round, load_transformers, transformers_round
 
     try:
@@ -130,8 +129,7 @@ def run(args: argparse.Namespace) -> int:
                               "predictor_bypassed_layers": sum(bypass) if bypass else 0}
     print(format_results(results, engines))
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.output, results)
     return 0
 
 

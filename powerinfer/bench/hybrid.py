@@ -29,6 +29,7 @@ import sys
 import torch
 from tqdm import tqdm
 
+from ..paths import write_json
 from ..units import format_size
 from . import relu7b
 
@@ -71,8 +72,6 @@ def model_shape(layers: int, shape: relu7b.Shape, vocab: int):
 
 def placer(mshape, hw, budget: int, rank: int, out: str):
     """place(profile, model_hash) -> the solver's placement document (also written to `out`)."""
-    import json
-
     from ..hardware import offload_baseline
     from ..offline.solve import build_problem, greedy, placement_document, solve_auto
 
@@ -82,8 +81,7 @@ def placer(mshape, hw, budget: int, rank: int, out: str):
         doc = placement_document(problem, best, {"greedy": greedy(problem)},
                                  offload_baseline(mshape, hw, "fp16", budget), model_hash, profile.path)
         doc["hardware"] = {"name": hw.name}
-        with open(out, "w") as f:
-            json.dump(doc, f)
+        write_json(out, doc, indent=None)
         return doc
     return place
 

@@ -30,7 +30,7 @@ from ..ops import api as sparse, sparse_cpu
 from ..ops import torch_ops as torch_backend
 from ..ops.memory import on_huge_pages
 from ..ops.numba_half import numpy_weights
-from ..paths import check_output_file
+from ..paths import check_output_file, save_figure
 from ..timing import BusProbe, last_level_cache_bytes, median_time
 
 FRACTIONS = (0.05, 0.10, 0.20, 0.30, 1.00)
@@ -210,7 +210,7 @@ def plot(results: list[dict], path: str, title: str = "Sparse FFN operators, 110
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def resolve_device(name: str) -> torch.device:

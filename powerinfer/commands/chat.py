@@ -33,8 +33,16 @@ def run(args: argparse.Namespace) -> int:
     while True:
         if interactive:
             print("> ", end="", flush=True)
-        line = sys.stdin.readline()
-        if not line or line.strip() == "/exit":
+        raw = sys.stdin.buffer.readline()
+        if not raw:
+            return 0
+        try:  # a message that is not UTF-8 is refused and the session goes on
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            print(f"powerinfer: this message is not valid UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start}); "
+                  "it was not sent", file=sys.stderr)
+            continue
+        if line.strip() == "/exit":
             return 0
         text = line.strip()
         if not text:

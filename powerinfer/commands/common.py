@@ -25,7 +25,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto (default): sparse when the model has been prepared, else dense; oracle: true "
                         "activations under the thresholds; offload: whole layers on the GPU tier (llama.cpp-style)")
     p.add_argument("--packed", default=None, help="packed model directory (default: the one `prepare` made)")
-    p.add_argument("--gpu-device", default=None,
+    p.add_argument("--gpu-device", default=None, choices=["cuda", "cpu"],
                    help="device of the GPU tier (default: cuda when present, else a CPU-backed tier)")
     p.add_argument("--kv-on-gpu", action="store_true",
                    help="keep the KV cache on the GPU tier instead of in CPU memory (packed engine)")
@@ -45,8 +45,12 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The sampling flags, checked before anything is loaded (chat would otherwise meet a
     bad value only at its first message)."""
+    from ..tokenizer import check_text
+
     if args.max_tokens < 0:
         raise BadArgumentError("max_tokens must be >= 0")
+    for text in [getattr(args, "prompt", None) or "", getattr(args, "system", None) or "", *(args.stop or [])]:
+        check_text(text, "the prompt" if text is getattr(args, "prompt", None) else "a --stop or --system text")
     return SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty,
                           args.seed).validate()
 

@@ -8,7 +8,7 @@ import json
 
 from ..hardware import BUILTIN
 from ..offline.measure import measure_hardware
-from ..paths import check_output_file
+from ..paths import check_output_file, write_json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,8 +22,7 @@ def run(args: argparse.Namespace) -> int:
     if args.measure:
         check_output_file(args.output, args.force, "-o")
         prof = measure_hardware()
-        with open(args.output, "w") as f:
-            json.dump(prof.to_dict(), f, indent=1)
+        write_json(args.output, prof.to_dict())
         print(json.dumps(prof.to_dict(), indent=1))
         print(f"wrote {args.output}")
         return 0

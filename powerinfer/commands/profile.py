@@ -56,10 +56,10 @@ def default_profile_dir(model_path: str) -> str:
 
 def _check_output(path: str, force: bool, user_given: bool) -> None:
     if user_given:  # the cache directory is ours: replaced as needed
-        from ..offline.stats import FORMAT
+        from ..offline.stats import ARTEFACT
         from ..paths import check_output_dir
 
-        check_output_dir(path, force, "-o", FORMAT, "profile")
+        check_output_dir(path, force, "-o", ARTEFACT)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
                                max_ppl_increase=args.max_ppl_increase, sample_tokens=args.sample_tokens,
                                sample_bytes=parse_size(args.sample_bytes), seed=args.seed, eval_sparsities=evals)
     prof = make_profile(lm, args.dataset, args.prompts, args.heldout, args.max_tokens, settings, out_dir,
-                        weights=args.dtype)
+                        weights=args.dtype, in_cache=args.output is None)
     n_profile = prof.manifest["dataset"]["n_profile"]
     q = prof.manifest.get("quality", {})
     mean_sparsity = sum(l.sparsity for l in prof.layers) / len(prof.layers)
@@ -136,6 +136,10 @@ def run_synthetic(args: argparse.Namespace) -> int:
                              hot_coverage=args.hot_coverage, seed=args.seed)
     if model_info:
         prof.manifest["model"] = model_info
-    prof.save(args.output)
+    from ..offline.stats import ARTEFACT
+    from ..paths import staged_dir
+
+    with staged_dir(args.output, ARTEFACT) as tmp:
+        prof.save(tmp)
     print(f"wrote synthetic profile ({layers} layers x {ffn} neurons) to {args.output}")
     return 0

@@ -7,12 +7,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 from ..errors import BadArgumentError
 from ..hardware import KNOWN_SHAPES, WEIGHT_BYTES, load_hardware, offload_baseline
 from ..offline.solve import shape_from_manifest
+from ..paths import check_output_file, write_json
 from ..units import format_size, parse_size
 
 
@@ -46,7 +46,10 @@ def run(args: argparse.Namespace) -> int:
         raise BadArgumentError("need --group-size >= 1, --context >= 1 and --predictor-rank >= 0")
     if not 0 < args.time_limit < float("inf"):  # NaN too
         raise BadArgumentError("--time-limit must be a finite number of seconds > 0")
+    if args.output is not None:
+        check_output_file(args.output, args.force, "-o")  # before minutes of solving
     hw = load_hardware(args.hardware)
+    budget = parse_size(args.vram_budget) if args.vram_budget is not None else hw.gpu_memory
     model_hash = None
     if args.shape:
         shape = KNOWN_SHAPES[args.shape]
@@ -66,7 +69,6 @@ def run(args: argparse.Namespace) -> int:
         shape = shape_from_manifest(profile.manifest)
         if shape is None:
             raise BadArgumentError(f"{profile_dir}: the profile records no model shape; pass --shape")
-    budget = parse_size(args.vram_budget) if args.vram_budget is not None else hw.gpu_memory
     def build(dense_on_gpu: bool):
         return build_problem(profile, shape, hw, budget, args.weights, args.group_size, args.context, args.kv_on_gpu,
                              dense_on_gpu, args.predictor_rank)
@@ -86,11 +88,8 @@ def run(args: argparse.Namespace) -> int:
         from ..paths import model_cache_dir
 
         out = str(model_cache_dir(model_hash or "shape-" + shape.name) / f"placement-{hw.name}-{budget}.json")
-    elif os.path.exists(out) and not args.force:
-        raise BadArgumentError(f"{out} exists; pass --force to overwrite it")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(doc, f)
+    write_json(out, doc, indent=None)
     if args.explain:
         print(explain(doc))
     b = doc["budget"]

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 from ..errors import BadArgumentError
@@ -44,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..offline.stats import Profile
     from ..offline.train import Predictors, TrainSettings, file_hash, model_scores, train_predictors
-    from ..paths import content_hash, model_cache_dir
+    from ..paths import content_hash, model_cache_dir, write_json
 
     if not 0 < args.recall < 1:
         raise BadArgumentError("--recall must be in (0, 1)")
@@ -68,8 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
         preds = Predictors.load(args.eval, model_hash, file_hash(os.path.join(profile.path, "stats.safetensors")))
         result = evaluate_predictors(lm, profile, preds, args.eval_prompts, gen_tokens=args.gen_tokens)
-        with open(os.path.join(args.eval, "eval.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(os.path.join(args.eval, "eval.json"), result)
         print("| layer | rank | recall | precision | predicted / actual active |\n|---|---|---|---|---|")
         for l in result["layers"]:
             print(f"| {l['layer']} | {l['rank']} | {l['recall']:.3f} | {l['precision']:.3f} | {l['predicted_active']:.2f} |")
@@ -81,17 +79,17 @@ def run(args: argparse.Namespace) -> int:
         return 0
     out = args.output or str(cache / "predictors")
     if args.output:
-        from ..offline.train import FORMAT
+        from ..offline.train import ARTEFACT
         from ..paths import check_output_dir
 
-        check_output_dir(out, args.force, "-o", FORMAT, "set of predictors")
+        check_output_dir(out, args.force, "-o", ARTEFACT)
     settings = TrainSettings(recall=args.recall, recall_margin=args.recall_margin, budget=args.budget,
                              tolerance=args.tolerance, epochs=args.epochs, seed=args.seed,
                              magnitude_power=args.magnitude_power, magnitude_cap=args.magnitude_cap,
                              mass_recall=args.mass_recall, max_forced=args.max_forced)
     scores = None if args.unweighted else model_scores(lm.model, profile.criterion)
     preds = train_predictors(profile, lm.model.num_parameters(), settings, scores)
-    preds.save(out)
+    preds.save(out, in_cache=args.output is None)
     print("| layer | rank | threshold | recall | mass recall | always-on | precision | predicted sparsity "
           "| true sparsity |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..errors import BadArgumentError, ContextLengthError
+from ..errors import BadArgumentError, ContextLengthError, NonFiniteError
 from ..models.base import Model
 from ..tokenizer import Tokenizer
 from ..models.cache import KVCache
@@ -58,6 +58,9 @@ def generate_step(model: Model, prompt: list[int], sampler: Callable[[torch.Tens
     logits = prefill(model, seen[:n_seen].clone(), cache)
     step_input = torch.empty(1, dtype=torch.long)
     for i in range(max_tokens):
+        if not torch.isfinite(logits).all():  # a NaN would otherwise crash or sample garbage
+            raise NonFiniteError(f"the model's output became NaN or Inf at token {i} of the generation "
+                                 "(corrupt weights, or activations overflowing the weights' dtype)")
         token = sampler(logits, seen[:n_seen])
         yield token
         if i + 1 == max_tokens:

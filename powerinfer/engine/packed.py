@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import BadArgumentError
+from ..formats.finite import check_finite
 from ..formats.packed import SHARDS, PackedManifest, PackedModelError, read_manifest
 from ..loader import LoadedModel, parse_dtype, set_threads
 from ..models.base import DenseTier, Model, ModelArgs
@@ -77,6 +78,7 @@ def _read_shards(path: str, manifest: PackedManifest) -> dict[str, dict[str, tor
             out[name] = load_file(file)
         except (SafetensorError, OSError, ValueError) as e:
             raise PackedModelError(f"{file}: corrupt shard ({e})") from None
+        check_finite(out[name].items(), file)  # the hash above is memoised by mtime: a rewrite may keep it
     return out
 
 
@@ -175,6 +177,9 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
             f.executor = executor
     dense_state = {k: v for name in SHARDS for k, v in shards[name].items() if ".ffn.gpu." not in k
                    and ".ffn.cpu." not in k and ".predictor." not in k and not k.endswith(".ffn.b_out")}
+    problem = args.shape_problem(dense_state)
+    if problem:
+        raise PackedModelError(f"{path}: the manifest's args disagree with the shards ({problem})")
     any_dense_on_tier = any(plan.attention_on_gpu) or plan.head_on_gpu or kv_on_gpu
     tier = DenseTier(device=dev if any_dense_on_tier else None, dtype=tier_dtype,
                      attention=list(plan.attention_on_gpu), head=plan.head_on_gpu, kv=kv_on_gpu)

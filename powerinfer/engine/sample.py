@@ -10,6 +10,9 @@ import torch
 from ..errors import BadArgumentError
 
 
+MAX_TEMPERATURE = 2.0  # OpenAI's limit; beyond it sampling is noise
+
+
 @dataclass
 class SamplingParams:
     """How to pick the next token. temperature 0 is greedy (the other knobs are then moot
@@ -23,17 +26,21 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self) -> "SamplingParams":
+        """Refuse values out of range: one table for the CLI and the server (OpenAI's ranges
+        where OpenAI defines the parameter: temperature 0..2, top_p (0, 1], a 64-bit seed)."""
         # Written so that NaN fails every check (NaN compares false), not just negatives.
-        if not 0 <= self.temperature < float("inf"):
-            raise BadArgumentError("temperature must be a finite number >= 0")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise BadArgumentError(f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {self.temperature}")
         if self.top_k < 0:
             raise BadArgumentError("top_k must be >= 0")
         if not 0 < self.top_p <= 1:
-            raise BadArgumentError("top_p must be in (0, 1]")
+            raise BadArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
-            raise BadArgumentError("min_p must be in [0, 1]")
+            raise BadArgumentError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 < self.repetition_penalty < float("inf"):
-            raise BadArgumentError("repetition_penalty must be a finite number > 0")
+            raise BadArgumentError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**63:
+            raise BadArgumentError(f"seed must be a 64-bit signed integer, got {self.seed}")
         return self
 
 
@@ -43,7 +50,7 @@ class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params.validate()
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
-        self.generator = torch.Generator().manual_seed(seed % 2**64)  # any int: torch takes 64 bits
+        self.generator = torch.Generator().manual_seed(seed % 2**64)  # torch takes 0..2**64-1
 
     def __call__(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> int:
         p = self.params

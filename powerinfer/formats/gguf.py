@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelFileError, UnsupportedModelError
+from .gguf_check import map_tensors, read_header
 
 GGUF_MAGIC = b"GGUF"
 
@@ -32,7 +33,7 @@ class GGUFFile:
     metadata: dict[str, Any]
     _tensors: dict[str, Any]
     native: bool = False  # quantized tensors as blocks (ops/quant.py) where a kernel reads them
-    _reader: Any = None  # the gguf reader, whose memory map the tensors view
+    _map: Any = None  # the file's copy-on-write memory map (np.memmap), which the tensors view
     dequantized: set[str] = field(default_factory=set)  # what native mode widened to bf16 (for the note)
 
     @property
@@ -64,7 +65,7 @@ class GGUFFile:
     def release_copied(self, t: torch.Tensor) -> None:
         """Drop the resident pages under `t` when it views this file's mapping and has been
         copied elsewhere (same safety as `release`); anything else is left alone."""
-        data = getattr(self._reader, "data", None)
+        data = self._map
         if data is None or t.device.type != "cpu":
             return
         base, addr, n = data.ctypes.data, t.data_ptr(), t.numel() * t.element_size()
@@ -76,7 +77,7 @@ class GGUFFile:
         mapping (none where the reader's map cannot be advised)."""
         import mmap
 
-        mm = getattr(getattr(self._reader, "data", None), "_mmap", None)
+        mm = getattr(self._map, "_mmap", None)
         if mm is None or not hasattr(mm, "madvise"):
             return
         start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
@@ -128,30 +129,14 @@ class GGUFFile:
 
 def open_gguf(path: str, native: bool = False) -> GGUFFile:
     """Open and validate a GGUF file; any structural problem becomes a one-line ModelFileError.
-    `native`: read quantized matrices as blocks (see `GGUFFile.tensor`)."""
-    from gguf import GGUFReader
-
+    `native`: read quantized matrices as blocks (see `GGUFFile.tensor`). Only the header is
+    read here (formats/gguf_check.py); tensors are views of a copy-on-write map of the file."""
     if not os.path.isfile(path):
         raise ModelFileError(f"{path}: no such file")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ModelFileError(f"{path}: not a GGUF file (bad magic {magic!r})")
-    size = os.path.getsize(path)
-    try:
-        reader = GGUFReader(path, "c")  # copy-on-write: tensors are writable views
-    except Exception as e:  # gguf raises ValueError/IndexError/struct errors on corruption
-        raise ModelFileError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
-    tensors = {}
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size or t.data.nbytes != int(t.n_bytes):
-            raise ModelFileError(f"{path}: truncated GGUF file (tensor {t.name} ends at byte {end}, file has {size})")
-        tensors[t.name] = t
-    metadata: dict[str, Any] = {}
-    for key, value in reader.fields.items():
-        try:
-            metadata[key] = value.contents()
-        except Exception as e:
-            raise ModelFileError(f"{path}: corrupt GGUF metadata field {key} ({e})") from None
-    return GGUFFile(path=path, metadata=metadata, _tensors=tensors, native=native, _reader=reader)
+    header = read_header(path, os.path.getsize(path))
+    mapped = map_tensors(path, header)
+    return GGUFFile(path=path, metadata=header.metadata, _tensors=header.tensors, native=native, _map=mapped)

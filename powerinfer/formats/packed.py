@@ -18,6 +18,7 @@ from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
 from typing import Any, TypeVar
 
 from ..errors import PowerInferError
+from ..paths import Artefact, write_json
 
 FORMAT = "powerinfer-packed"
 FORMAT_VERSION = 1
@@ -27,6 +28,9 @@ PACK_REVISION = 3
 SHARDS = ("gpu", "cpu")
 MANIFEST = "manifest.json"
 CHECK = "check.json"
+# what a packed model's folder may hold (prepare adds check.json)
+ARTEFACT = Artefact(FORMAT, "packed model", frozenset({MANIFEST, CHECK, "gpu.safetensors", "cpu.safetensors",
+                                                       "tokenizer"}))
 MODES = ("sparse", "oracle", "dense", "offload")
 
 
@@ -232,11 +236,15 @@ def _check_consistency(m: PackedManifest, path: str) -> None:
             raise PackedModelError(f"{path}: field layers[{i}] has a negative neuron count")
     if m.criterion not in ("none", "gate", "gate_up"):
         raise PackedModelError(f"{path}: field criterion must be none, gate or gate_up, got {m.criterion!r}")
+    if m.dtype not in ("fp32", "bf16", "fp16", "native"):
+        raise PackedModelError(f"{path}: field dtype must be fp32, bf16, fp16 or native, got {m.dtype!r}")
+    if len(m.layers) != m.args.get("n_layers"):
+        raise PackedModelError(f"{path}: field layers lists {len(m.layers)} layers, args.n_layers says "
+                               f"{m.args.get('n_layers')}")
 
 
 def write_manifest(directory: str, manifest: PackedManifest) -> None:
-    with open(os.path.join(directory, MANIFEST), "w") as f:
-        json.dump(asdict(manifest), f, indent=1)
+    write_json(os.path.join(directory, MANIFEST), asdict(manifest))
 
 
 def read_check(directory: str) -> SparseCheck | None:

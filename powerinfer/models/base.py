@@ -77,17 +77,40 @@ class ModelArgs:
         args.validate(error)
         return args
 
-    def validate(self, error: type[Exception] = ValueError) -> None:
-        """Refuse sizes that no model has (they would fail deep inside a kernel)."""
+    def validate(self, error: type[Exception] = ValueError, where: str = "field args.") -> None:
+        """Refuse sizes that no model has (they would fail deep inside a kernel); `where`
+        prefixes the field's name in the message."""
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise error(f"field args.{name} must be a positive integer, got {value!r}")
+                raise error(f"{where}{name} must be a positive integer, got {value!r}")
         if self.n_heads % self.n_kv_heads:
-            raise error(f"field args.n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
+            raise error(f"{where}n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
         if self.position == "rope" and (self.head_dim % 2 or not self.rope_inv_freq
                                         or len(self.rope_inv_freq) != self.head_dim // 2):
-            raise error(f"field args.rope_inv_freq must hold head_dim / 2 = {self.head_dim // 2} frequencies")
+            raise error(f"{where}rope_inv_freq must hold head_dim / 2 = {self.head_dim // 2} frequencies")
+        if not 0 < self.norm_eps < 1:  # NaN too
+            raise error(f"{where}norm_eps must be in (0, 1), got {self.norm_eps!r}")
+
+    def shape_problem(self, state: dict) -> str | None:
+        """The first tensor of a canonical state dict whose shape disagrees with these
+        arguments, described in a line; None when all agree."""
+        d, e = self.d_model, self.embed_dim or self.d_model
+        n_in = (2 if self.gated_ffn else 1) * self.ffn_dim
+        expected = {"embed": (self.vocab_size, e), "lm_head": (self.vocab_size, e)}
+        for i in range(self.n_layers):
+            p = f"layers.{i}."
+            expected.update({p + "wqkv": (self.q_dim + 2 * self.kv_dim, d), p + "wo": (d, self.q_dim),
+                             p + "ffn.w_in": (n_in, d), p + "ffn.w_out": (d, self.ffn_dim),
+                             p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,)})
+        for name, want in expected.items():
+            t = state.get(name)
+            if t is None:
+                continue
+            got = quant.shape_of(t) if quant.is_quantized(t) else tuple(t.shape)
+            if got != want:
+                return f"tensor {name} has shape {list(got)}, the model's sizes make it {list(want)}"
+        return None
 
     @property
     def q_dim(self) -> int:

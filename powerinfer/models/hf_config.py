@@ -26,8 +26,9 @@ def config_object(config: dict[str, Any]) -> Any:
     kwargs = {k: v for k, v in config.items() if k != "model_type"}
     try:
         return AutoConfig.for_model(model_type, **kwargs)
-    except (ValueError, KeyError, TypeError) as e:
-        raise UnsupportedModelError(f"config.json: cannot parse model_type {model_type!r} ({e})") from None
+    except Exception as e:  # transformers' strict configs raise their own error types
+        detail = " ".join(str(e).split())
+        raise ModelFileError(f"config.json: cannot read it as a {model_type!r} config ({detail})") from None
 
 
 def rope_frequencies(cfg: Any, head_dim: int) -> tuple[list[float], float]:

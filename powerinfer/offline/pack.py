@@ -19,7 +19,6 @@ rows are permuted into packed order (GPU rows, then CPU rows), see engine/hybrid
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import asdict
 
 import numpy as np
@@ -27,11 +26,12 @@ import torch
 from tqdm import tqdm
 
 from ..errors import BadArgumentError, UnsupportedModelError
-from ..formats.packed import (FORMAT, SHARDS, LayerInfo, LayerPredictor, PackedManifest, PlacementSummary, PredictorsSummary,
-                              ShardInfo, Source, write_manifest)
+from ..formats.packed import (ARTEFACT, SHARDS, LayerInfo, LayerPredictor, PackedManifest, PlacementSummary,
+                              PredictorsSummary, ShardInfo, Source, write_manifest)
 from ..loader import DTYPES, NATIVE, read_model, resolve_model_path
+from ..models.base import ModelArgs
 from ..ops import quant
-from ..paths import check_output_dir, content_hash, holds_artefact
+from ..paths import check_output_dir, content_hash, staged_dir
 from .stats import Profile
 from .train import Predictors
 
@@ -78,7 +78,10 @@ def pack_model(model_path: str | None, out_dir: str, profile: Profile, predictor
     transpose breaks, is requantized to Q8_0 (ops/quant_sparse.py)."""
     if dtype not in DTYPES and dtype != NATIVE:
         raise BadArgumentError(f"unknown dtype {dtype!r} (choose {', '.join([*DTYPES, NATIVE])})")
-    check_output_dir(out_dir, force, "-o", FORMAT, "packed model")
+    check_output_dir(out_dir, force, "-o", ARTEFACT)
+    if profile.criterion not in ("none", "gate", "gate_up"):  # a synthetic profile: counts for `solve` only
+        raise BadArgumentError(f"{profile.path}: a {profile.criterion} profile has no thresholds measured on the "
+                               "model; pack needs one from `powerinfer profile -m MODEL`")
     path = resolve_model_path(model_path)
     model_hash = content_hash(path)
     if profile.model_hash not in (None, model_hash):
@@ -147,9 +150,14 @@ def pack_model(model_path: str | None, out_dir: str, profile: Profile, predictor
                                     None if pr is None else LayerPredictor(
                                         pr.rank, float(pr.threshold), float(pr.recall), float(pr.precision),
                                         1.0 - float(pr.predicted_sparsity))))
-    tmp = out_dir.rstrip("/") + f".tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    with staged_dir(out_dir, ARTEFACT) as tmp:
+        return _write_packed(tmp, shards, path, args, model_hash, dtype, profile, predictors, placement, dense_on_gpu,
+                             layer_info, prepare_request, predictors_hash)
+
+
+def _write_packed(tmp: str, shards: dict, path: str, args: ModelArgs, model_hash: str, dtype: str, profile: Profile,
+                  predictors: Predictors | None, placement: dict | None, dense_on_gpu: bool, layer_info: list,
+                  prepare_request: dict | None, predictors_hash: str | None) -> PackedManifest:
     from safetensors.torch import save_file
 
     shard_info = {}
@@ -175,10 +183,6 @@ def pack_model(model_path: str | None, out_dir: str, profile: Profile, predictor
             predicted_tokens_per_s=pl.get("predicted_tokens_per_s")),
         shards=shard_info, layers=layer_info, prepare_request=prepare_request, predictors_hash=predictors_hash)
     write_manifest(tmp, manifest)
-    if os.path.isdir(out_dir) and holds_artefact(out_dir, FORMAT):  # checked above: ours, replaced with --force
-        shutil.rmtree(out_dir)
-    os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
-    os.replace(tmp, out_dir)  # a new name, or an empty folder (check_output_dir refused any other)
     return manifest
 
 

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 
 from ..errors import BadArgumentError, PowerInferError
-from ..paths import content_hash, model_cache_dir
+from ..paths import content_hash, model_cache_dir, write_json
 from .stats import Profile
 
 
@@ -192,7 +192,7 @@ def _profile(lm, cache, model_hash: str, s: PrepareSettings) -> Profile:
     settings = ProfileSettings(target_sparsity=s.target_sparsity,
                                max_ppl_increase=None if s.target_sparsity is not None else s.max_ppl_increase,
                                seed=s.seed)
-    return make_profile(lm, s.dataset, s.prompts, s.heldout, s.max_tokens, settings, out)
+    return make_profile(lm, s.dataset, s.prompts, s.heldout, s.max_tokens, settings, out, in_cache=True)
 
 
 def _predictors(lm, profile: Profile, cache, model_hash: str, s: PrepareSettings, hw):
@@ -230,7 +230,7 @@ def _predictors(lm, profile: Profile, cache, model_hash: str, s: PrepareSettings
     _log(f"training predictors for the {len(paying)} of {len(worth)} layers where one can pay (step 2 of 4)")
     preds = train_predictors(profile, lm.model.num_parameters(), settings, model_scores(lm.model, profile.criterion),
                              only=paying)
-    preds.save(out)
+    preds.save(out, in_cache=True)
     return preds
 
 
@@ -255,5 +255,5 @@ def _placement(profile: Profile, hw, budget: int, cache, model_hash: str, s: Pre
     problem, best = solve_auto(lambda dense: build_problem(profile, shape, hw, budget, s.weights, dense_on_gpu=dense))
     doc = placement_document(problem, best, {"greedy": greedy(problem)},
                              offload_baseline(shape, hw, s.weights, budget), model_hash, profile.path)
-    out.write_text(json.dumps(doc))
+    write_json(str(out), doc, indent=None)
     return doc

@@ -308,8 +308,21 @@ def model_shape_dict(args, path: str) -> dict:
 
 
 def make_profile(lm, dataset: str, n_prompts: int, n_heldout: int, max_tokens: int, settings, out_dir: str,
-                 weights: str = "fp32"):
-    """Split the dataset, write split.json and profile `lm` into out_dir (shared with `prepare`)."""
+                 weights: str = "fp32", in_cache: bool = False):
+    """Split the dataset, write split.json and profile `lm` into out_dir (shared with `prepare`),
+    through a staged folder (paths.staged_dir): the caller has checked out_dir, or it is in
+    our cache (`in_cache`)."""
+    from ..paths import staged_dir
+    from .stats import ARTEFACT
+
+    with staged_dir(out_dir, ARTEFACT, in_cache) as tmp:
+        prof = _make_profile(lm, dataset, n_prompts, n_heldout, max_tokens, settings, tmp, weights)
+    prof.path = out_dir
+    return prof
+
+
+def _make_profile(lm, dataset: str, n_prompts: int, n_heldout: int, max_tokens: int, settings, out_dir: str,
+                  weights: str):
     from ..data import load_prompts, split_prompts
     from ..paths import content_hash
 

@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 
+from ..paths import save_figure
 from .stats import Profile
 
 
@@ -50,7 +51,7 @@ def plot(profile: Profile, path: str, groups: int = 4) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
 
 

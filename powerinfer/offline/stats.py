@@ -12,11 +12,14 @@ import numpy as np
 
 from ..errors import PowerInferError
 from ..manifest import read_manifest
+from ..paths import Artefact
 
 FORMAT = "powerinfer-profile"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STATS = "stats.safetensors"
+ARTEFACT = Artefact(FORMAT, "profile", frozenset({MANIFEST, STATS, "samples", "split.json",
+                                                  "activation_distribution.png"}))
 
 
 class ProfileError(PowerInferError):

@@ -36,10 +36,12 @@ from tqdm import tqdm
 
 from ..errors import BadArgumentError, PowerInferError
 from ..manifest import read_manifest
+from ..paths import Artefact, staged_dir
 from .stats import Profile
 
 FORMAT = "powerinfer-predictors"
 FORMAT_VERSION = 1
+ARTEFACT = Artefact(FORMAT, "set of predictors", frozenset({"manifest.json", "predictors.safetensors", "eval.json"}))
 
 
 class PredictorError(PowerInferError):
@@ -327,10 +329,15 @@ class Predictors:
     layers: list[LayerPredictor]
     manifest: dict
 
-    def save(self, out_dir: str) -> None:
+    def save(self, out_dir: str, in_cache: bool = False) -> None:
+        """Write to `out_dir` through a staged folder (paths.staged_dir): a new folder, an
+        empty one or our own predictors (the caller has checked), or with `in_cache` ours."""
+        with staged_dir(out_dir, ARTEFACT, in_cache) as tmp:
+            self._write(tmp)
+
+    def _write(self, out_dir: str) -> None:
         from safetensors.torch import save_file
 
-        os.makedirs(out_dir, exist_ok=True)
         tensors = {}
         for i, p in enumerate(self.layers):
             for name in ("w1", "b1", "w2", "b2") if p is not None else ():

@@ -42,6 +42,9 @@ FORMATS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q5_0": (32, 22
            "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 BLOCK_BYTES = {bb: name for name, (_, bb) in FORMATS.items()}
 TILE_ROWS = 256  # rows widened at a time for a batched matmul
+# Byte offsets of each block's fp16 scales (d, and m/dmin where the format has one).
+SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2),
+                 "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def is_quantized(t: torch.Tensor) -> bool:
@@ -62,6 +65,13 @@ def from_gguf(data: np.ndarray, type_name: str, rows: int, cols: int) -> torch.T
     """The quantized matrix in a GGUF tensor's bytes (a view, no copy)."""
     per, nbytes = FORMATS[type_name]
     return torch.from_numpy(np.asarray(data).reshape(rows, cols // per, nbytes))
+
+
+def has_nonfinite_scales(t: torch.Tensor) -> bool:
+    """Whether any block scale is NaN or Inf (the quantized values themselves are integers).
+    An fp16 is NaN/Inf when its five exponent bits, bits 2-6 of its high byte, are all set."""
+    blocks = t.numpy()
+    return any(bool(np.any(blocks[:, :, off + 1] & 0x7C == 0x7C)) for off in SCALE_OFFSETS[format_of(t)])
 
 
 def dequantize(t: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,8 @@ def prepare(model_path: str | None, s: PrepareSettings, lm=None) -> str:
     model_hash = content_hash(path)
     cache = model_cache_dir(model_hash)
     hw = resolve_hardware(s.hardware)
+    if s.vram_budget is not None and not hw.has_gpu:  # as `solve` refuses a budget the GPU cannot hold
+        raise BadArgumentError(f"--vram-budget: hardware {hw.name} has no GPU (choose one with --hardware)")
     budget = (s.vram_budget if s.vram_budget is not None else hw.gpu_memory) if hw.has_gpu else 0
     if hw.has_gpu and not 0 < budget <= hw.gpu_memory:
         raise BadArgumentError(f"VRAM budget {budget / 2**30:.2f} GiB is not within the {hw.name}'s "

@@ -243,7 +243,7 @@ def test_hf_corpus(corpus):
 
     size = (corpus / "hf" / "model.safetensors").stat().st_size
     for n in (0, 5, 8, 100, 2000, size // 3, size - 10):
-        add(f"weights cut at {n}", weights=cut(n), fragment="safetensors")
+        add(f"weights cut at {n}", weights=cut(n), fragment="truncated safetensors")
     add("header length huge", weights=lambda f: f.write_bytes(b"\xff" * 8 + f.read_bytes()[8:]), fragment="safetensors")
     add("header garbage", weights=lambda f: f.write_bytes(f.read_bytes()[:8] + b"#" * 40 + f.read_bytes()[48:]),
         fragment="safetensors")

@@ -42,24 +42,39 @@ class HFCheckpoint:
             raise ModelFileError(f"{self._files[name]}: corrupt safetensors file ({e})") from None
 
 
+def _check_layout(full: str, size: int) -> None:
+    """Name what is cut short in a safetensors file (its own errors say "invalid header
+    length" or "file not fully covered" for a file that is simply truncated)."""
+    if size < 8:
+        raise ModelFileError(f"{full}: truncated safetensors file: the header length is cut short ({size} bytes)")
+    with open(full, "rb") as raw:
+        header_len = int.from_bytes(raw.read(8), "little")
+        if header_len > 100 << 20:
+            raise ModelFileError(f"{full}: corrupt safetensors file: its header claims {header_len} bytes")
+        if 8 + header_len > size:
+            raise ModelFileError(f"{full}: truncated safetensors file: the header is cut short "
+                                 f"(needs {8 + header_len} bytes, the file has {size})")
+        try:
+            header = json.loads(raw.read(header_len))
+            ends = {k: v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"}
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            raise ModelFileError(f"{full}: corrupt safetensors file: its header is not valid JSON") from None
+    for name, end in ends.items():
+        if not isinstance(end, int) or 8 + header_len + end > size:
+            raise ModelFileError(f"{full}: truncated safetensors file: tensor {name} is cut short "
+                                 f"(it ends at byte {8 + header_len + end}, the file has {size})")
+
+
 def _tensor_index(path: str, files: list[str]) -> dict[str, str]:
     from safetensors import SafetensorError, safe_open
 
     index: dict[str, str] = {}
     for name in files:
         full = os.path.join(path, name)
-        size = os.path.getsize(full)
+        _check_layout(full, os.path.getsize(full))
         try:
             with safe_open(full, framework="pt") as f:
                 keys = list(f.keys())
-                # safe_open checks the header; check the data region too, so a truncated
-                # file fails here and not in the middle of loading.
-                with open(full, "rb") as raw:
-                    header_len = int.from_bytes(raw.read(8), "little")
-                    header = json.loads(raw.read(header_len))
-                data_end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-                if 8 + header_len + data_end > size:
-                    raise ModelFileError(f"{full}: truncated safetensors file")
         except (SafetensorError, ValueError, OSError) as e:
             raise ModelFileError(f"{full}: corrupt safetensors file ({e})") from None
         for k in keys:

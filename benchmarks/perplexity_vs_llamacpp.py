@@ -13,7 +13,6 @@ Debian machine).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import subprocess
@@ -24,31 +23,11 @@ TOOL = os.path.join(HERE, "..", "..", "shared", "tools", "llama-cpp.sh")
 
 
 def ours(path: str, text: str, ctx: int, chunks: int, dtype: str) -> float:
-    import torch
-    from tqdm import tqdm
-
+    """`powerinfer perplexity`'s scoring (engine/perplexity.py) on `path` in `dtype`."""
     import powerinfer
+    from powerinfer.engine.perplexity import perplexity
 
-    from powerinfer.formats.gguf import open_gguf
-
-    lm = powerinfer.load(path, dtype=dtype)
-    bos = lm.args.bos_token_id
-    add_bos = bool(open_gguf(path).get("tokenizer.ggml.add_bos_token", True)) and bos is not None
-    ids = ([bos] if add_bos else []) + list(lm.tokenizer.hf(text, add_special_tokens=False)["input_ids"])
-    n = min(chunks, len(ids) // ctx)
-    nll, count = 0.0, 0
-    for c in tqdm(range(n), desc=f"ours {dtype}", unit="chunk"):
-        chunk = list(ids[c * ctx : (c + 1) * ctx])
-        if add_bos:  # as llama-perplexity: every chunk starts with BOS
-            chunk[0] = bos
-        model = lm.model
-        logits = model.forward(torch.tensor(chunk), model.new_cache(ctx), all_logits=True)
-        logp = torch.log_softmax(logits.double(), dim=-1)
-        first = ctx // 2
-        targets = torch.tensor(chunk[first + 1 :])
-        nll -= logp[first:-1].gather(1, targets[:, None]).sum().item()
-        count += len(targets)
-    return math.exp(nll / count)
+    return perplexity(powerinfer.load(path, dtype=dtype), text, ctx, chunks).perplexity
 
 
 def peer(path: str, text_file: str, ctx: int, chunks: int, threads: int) -> float:

@@ -11,17 +11,30 @@ Public API::
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-from .engine.generate import GenerationResponse
-from .engine.generate import stream_generate as _stream_generate
-from .engine.sample import SamplingParams
 from .errors import BadArgumentError, PowerInferError
-from .loader import LoadedModel, load
+
+if TYPE_CHECKING:
+    from .engine.generate import GenerationResponse
+    from .engine.sample import SamplingParams
+    from .loader import LoadedModel
 
 __version__ = "0.1.0"
 __all__ = ["load", "generate", "stream_generate", "LoadedModel", "SamplingParams", "GenerationResponse",
            "PowerInferError"]
+# imported on first use: `import powerinfer` (and so the CLI) must not load torch before it
+# knows it has a model it can run (an unsupported one is refused in well under 2 s)
+_LAZY = {"load": "loader", "LoadedModel": "loader", "SamplingParams": "engine.sample",
+         "GenerationResponse": "engine.generate"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def stream_generate(lm: LoadedModel, prompt: str | list[int], max_tokens: int = 256, *,
@@ -36,6 +49,9 @@ def stream_generate(lm: LoadedModel, prompt: str | list[int], max_tokens: int = 
         if not isinstance(prompt, str):
             raise BadArgumentError("chat=True needs a text prompt")
         prompt = lm.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    from .engine.generate import stream_generate as _stream_generate
+    from .engine.sample import SamplingParams
+
     sampling = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed)
     return _stream_generate(lm.model, lm.tokenizer, prompt, max_tokens, sampling, stop)
 

@@ -15,6 +15,7 @@ from .errors import PowerInferError
 SUBCOMMANDS = {
     "generate": ("powerinfer.commands.generate", "generate text from a prompt"),
     "chat": ("powerinfer.commands.chat", "interactive multi-turn chat"),
+    "perplexity": ("powerinfer.commands.perplexity", "a text's perplexity, scored as llama-perplexity scores it"),
     "profile": ("powerinfer.commands.profile", "activation statistics, thresholds, training samples"),
     "train": ("powerinfer.commands.train", "per-layer activation predictors from a profile"),
     "solve": ("powerinfer.commands.solve", "place neurons on GPU/CPU under a VRAM budget (ILP)"),
@@ -59,7 +60,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def model_flag(argv: list[str]) -> str | None:
+    """The value of -m/--model in `argv`, if any (read before the full parser is built)."""
+    for i, arg in enumerate(argv):
+        if arg in ("-m", "--model") and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--model="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    model = model_flag(argv)
+    if model is not None:
+        from .formats.detect import check_supported
+
+        try:  # before the subcommands (and torch) load: an unsupported model is refused at once
+            check_supported(model)
+        except PowerInferError as e:
+            print(f"powerinfer: error: {model}: {e}", file=sys.stderr)
+            return 2
     try:
         args = build_parser().parse_args(argv)
     except UsageError as e:

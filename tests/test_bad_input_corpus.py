@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from cli_helpers import assert_clean_error, run_cli
 from gguf_export import export_gguf
 from tiny_models import build_tokenized_llama
@@ -35,7 +34,7 @@ def corpus(tmp_path_factory, smollm2_path):
     a packed model of it, and a folder of the user's own files."""
     root = tmp_path_factory.mktemp("corpus")
     hf = build_tokenized_llama(root / "hf", smollm2_path)
-    gguf_path = export_gguf(hf, root / "tiny.gguf", tokenizer_from=smollm2_path)
+    export_gguf(hf, root / "tiny.gguf", tokenizer_from=smollm2_path)
     from powerinfer.cli import main
 
     quiet = io.StringIO()

@@ -190,3 +190,34 @@ def test_logits_that_become_nan_stop_the_generation_with_a_clear_error(chat_mode
         for r in stream_generate(lm.model, lm.tokenizer, "Hello", 8, SamplingParams(temperature=0)):
             got.append(r.token)
     assert len(got) == 2  # the tokens before the overflow were delivered
+
+
+@pytest.mark.parametrize("kind", ["gguf", "hf"])
+def test_an_unsupported_architecture_is_refused_before_torch_loads(tmp_path, kind):
+    """Refused from the GGUF header or config.json alone (a fraction of a second; it used to
+    take 10-20 s of loading), naming what is supported: torch is never imported."""
+    import subprocess
+    import sys
+
+    import gguf
+    import numpy as np
+
+    if kind == "gguf":
+        path = tmp_path / "gemma3.gguf"
+        w = gguf.GGUFWriter(str(path), "gemma3")
+        w.add_block_count(1)
+        w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        fragment = "unsupported GGUF architecture 'gemma3'; supported: llama, qwen2"
+    else:
+        path = tmp_path / "gemma3"
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
+        fragment = "unsupported model_type 'gemma3'; supported:"
+    code = ("import sys; from powerinfer.cli import main; rc = main(['generate', '-m', sys.argv[1], '-p', 'hi']); "
+            "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60)
+    assert_clean_error(r, fragment)

@@ -17,8 +17,6 @@ from ..formats.hf import HFCheckpoint
 from .base import ModelArgs, half_split_to_interleaved
 from .hf_config import config_object, rope_frequencies
 
-MODEL_TYPES = ("falcon", "RefinedWeb", "RefinedWebModel")
-GGUF_ARCHS: tuple[str, ...] = ()
 
 
 def _layout(cfg: Any) -> tuple[str, int]:

@@ -14,8 +14,6 @@ from ..ops import quant
 from .base import ModelArgs, half_split_to_interleaved, rope_inv_freq
 from .hf_config import config_object, rope_frequencies
 
-MODEL_TYPES = ("llama", "mistral")
-GGUF_ARCHS = ("llama",)
 
 
 def _eos_list(value: Any) -> list[int]:

@@ -12,8 +12,6 @@ from ..formats.hf import HFCheckpoint
 from .base import ModelArgs
 from .hf_config import config_object
 
-MODEL_TYPES = ("opt",)
-GGUF_ARCHS: tuple[str, ...] = ()
 
 
 def args_from_hf(config: dict[str, Any]) -> ModelArgs:

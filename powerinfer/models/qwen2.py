@@ -11,8 +11,6 @@ from ..formats.hf import HFCheckpoint
 from . import llama
 from .base import ModelArgs
 
-MODEL_TYPES = ("qwen2",)
-GGUF_ARCHS = ("qwen2",)
 
 
 def args_from_hf(config: dict[str, Any]) -> ModelArgs:

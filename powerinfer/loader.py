@@ -12,6 +12,7 @@ import torch
 
 from .errors import BadArgumentError, ModelFileError
 from .formats.finite import check_finite
+from .hub import looks_like_hub_id, resolve_hub_id
 from .formats.gguf import GGUF_MAGIC, open_gguf
 from .formats.hf import open_hf_dir
 from .models import family_module
@@ -57,9 +58,12 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def resolve_model_path(path: str | None) -> str:
-    """The model path as given, or the embedded default; refuse what is not a model."""
+    """The model path as given (a hub id `org/name` resolved through the Hugging Face cache),
+    or the embedded default; refuse what is not a model."""
     if path is None:
         return default_model_path()
+    if looks_like_hub_id(path):
+        path = resolve_hub_id(path)
     if not os.path.exists(path):
         raise ModelFileError(f"{path}: no such file or directory")
     if os.path.isfile(path):

@@ -8,6 +8,7 @@ import socket
 import sys
 
 from ..errors import BadArgumentError
+from ..hub import looks_like_hub_id
 from .common import add_engine_arguments, add_model_arguments, load_from_args
 
 
@@ -33,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)  # before loading: a busy port fails in a second, not after
     lm = load_from_args(args)
     warm_up(lm.model)  # so that the first request does not pay for loading the kernels
-    name = args.model_name or os.path.basename(lm.path.rstrip("/"))
+    name = args.model_name or (args.model if args.model and looks_like_hub_id(args.model)  # org/name, as asked
+                               else os.path.basename(lm.path.rstrip("/")))
     server = Server(lm, name, args.max_concurrency, args.queue_size, args.api_key)
     print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning")).run(sockets=[sock])

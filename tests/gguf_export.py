@@ -34,6 +34,9 @@ def export_gguf(hf_dir: Path, out: Path, arch: str = "llama", raw_types: dict[st
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    if getattr(cfg, "head_dim", None):
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
     if tokenizer_from:
         for key, field in gguf.GGUFReader(tokenizer_from).fields.items():
             if key.startswith("tokenizer."):
@@ -43,7 +46,8 @@ def export_gguf(hf_dir: Path, out: Path, arch: str = "llama", raw_types: dict[st
         tensors["output.weight"] = sd["lm_head.weight"]
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
     for i in range(cfg.num_hidden_layers):
         for hf_name, g_name in names.items():
             for kind in ("weight", "bias"):
@@ -69,9 +73,10 @@ def export_gguf(hf_dir: Path, out: Path, arch: str = "llama", raw_types: dict[st
 
 
 def tiny_gguf_config(arch: str):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    cls = LlamaConfig if arch == "llama" else Qwen2Config
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    extra = {"head_dim": 24} if arch == "qwen3" else {}
     torch.manual_seed(0)
     return cls(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=arch == "qwen2")
+               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=arch != "llama", **extra)

@@ -10,7 +10,7 @@ VOCAB = 96
 
 
 def _configs() -> dict:
-    from transformers import FalconConfig, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
+    from transformers import FalconConfig, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config, Qwen3Config
 
     llama = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -28,6 +28,8 @@ def _configs() -> dict:
                                                                    "factor": 2.0}),
         "mistral": MistralConfig(**llama, sliding_window=None),
         "qwen2": Qwen2Config(**llama, tie_word_embeddings=True),
+        # q/k norms; head_dim 24 with 4 heads: q is 96 wide on a 64-wide model, as Qwen3's are
+        "qwen3": Qwen3Config(**llama, head_dim=24, tie_word_embeddings=True),
         "opt": OPTConfig(**opt),
         "opt_proj_postnorm": OPTConfig(**{**opt, "word_embed_proj_dim": 32}, do_layer_norm_before=False),
         "opt_proj_prenorm": OPTConfig(**{**opt, "word_embed_proj_dim": 48}),

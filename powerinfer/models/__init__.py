@@ -17,6 +17,7 @@ from ..errors import UnsupportedModelError
 FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "llama": (("llama", "mistral"), ("llama",)),
     "qwen2": (("qwen2",), ("qwen2",)),
+    "qwen3": (("qwen3",), ("qwen3",)),
     "opt": (("opt",), ()),
     "falcon": (("falcon", "RefinedWeb", "RefinedWebModel"), ()),
 }

@@ -52,6 +52,7 @@ class ModelArgs:
     act: str = "silu"
     gated_ffn: bool = True
     up_act: str | None = None  # Bamboo-style ReLU on the up projection as well
+    qk_norm: bool = False  # RMSNorm of each head's q and k before RoPE (Qwen3)
     parallel_block: bool = False  # attention and FFN read the same input (Falcon)
     pre_norm: bool = True  # False: post-norm (OPT-350m)
     tie_embeddings: bool = False
@@ -102,7 +103,8 @@ class ModelArgs:
             p = f"layers.{i}."
             expected.update({p + "wqkv": (self.q_dim + 2 * self.kv_dim, d), p + "wo": (d, self.q_dim),
                              p + "ffn.w_in": (n_in, d), p + "ffn.w_out": (d, self.ffn_dim),
-                             p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,)})
+                             p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,),
+                             p + "q_norm.weight": (self.head_dim,), p + "k_norm.weight": (self.head_dim,)})
         for name, want in expected.items():
             t = state.get(name)
             if t is None:
@@ -166,6 +168,8 @@ class Attention:
 
     qkv: Linear
     o: Linear
+    q_norm: Norm | None = None  # per head, over head_dim (args.qk_norm)
+    k_norm: Norm | None = None
 
 
 @dataclass
@@ -273,7 +277,8 @@ class Model:
                 up_act=args.up_act,
             )
             on_tier = t.attention_on_tier(i)
-            attn = Attention(linear(p + "wqkv", p + "bqkv", on_tier), linear(p + "wo", p + "bo", on_tier))
+            attn = Attention(linear(p + "wqkv", p + "bqkv", on_tier), linear(p + "wo", p + "bo", on_tier),
+                             norm(p + "q_norm"), norm(p + "k_norm"))
             layer = Layer(attn_norm, attn, norm(p + "ffn_norm"), ffn)
             layer.fused_decode = self._can_fuse(layer)
             self.layers.append(layer)
@@ -287,7 +292,7 @@ class Model:
         """Whether decode can run this layer's attention block in one kernel: a pre-norm,
         sequential RMSNorm block (the Llama shape) with CPU weights the kernels read."""
         a = self.args
-        return (a.pre_norm and not a.parallel_block and a.norm == "rms" and a.position in ("rope", "learned")
+        return (a.pre_norm and not a.parallel_block and not a.qk_norm and a.norm == "rms" and a.position in ("rope", "learned")
                 and layer.attn_norm.weight is not None and layer.ffn_norm is not None
                 and layer.ffn_norm.weight is not None and layer.attn.qkv.w_np is not None
                 and layer.attn.o.w_np is not None)
@@ -329,11 +334,21 @@ class Model:
         tier's device)."""
         w_dev, kv_dev = attn.qkv.weight.device, cache.device(layer_idx)
         qkv = attn.qkv(x.to(w_dev)).to(kv_dev)
+        if attn.q_norm is not None:
+            qkv = self._norm_qk(qkv, attn)
         if x.shape[0] == 1 and cache.k_np[layer_idx] is not None:
             out = self._attend_one(layer_idx, qkv[0], cache, start).unsqueeze(0)
         else:
             out = self._attend_torch(layer_idx, qkv, cache, start)
         return attn.o(out.to(w_dev)).to(x.device)
+
+    def _norm_qk(self, qkv: torch.Tensor, attn: Attention) -> torch.Tensor:
+        """qkv with each head of q and k RMS-normed over head_dim (before RoPE, as Qwen3)."""
+        a = self.args
+        T = qkv.shape[0]
+        q = attn.q_norm(qkv[:, :a.q_dim].reshape(T * a.n_heads, a.head_dim).contiguous()).reshape(T, a.q_dim)
+        k = attn.k_norm(qkv[:, a.q_dim:a.q_dim + a.kv_dim].reshape(T * a.n_kv_heads, a.head_dim).contiguous())
+        return torch.cat([q, k.reshape(T, a.kv_dim), qkv[:, a.q_dim + a.kv_dim:]], dim=1)
 
     def _attend_torch(self, layer_idx: int, qkv: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         """softmax(q k^T) v for T tokens with torch ops on the cache's device (prefill, GPU tier)."""

@@ -45,7 +45,18 @@ class OneLineParser(argparse.ArgumentParser):
         # would otherwise be "expected one argument". None of our options starts with a digit.
         self._negative_number_matcher = re.compile(r"^-\.?\d")
 
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(args) if args is not None else sys.argv[1:]
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str):
+        # argparse reports missing required flags before unknown ones: a typo in a flag name
+        # would read as "-p is required"; name the unknown flag instead
+        unknown = [a for a in getattr(self, "_given", []) if a.startswith("-") and len(a) > 1
+                   and not self._negative_number_matcher.match(a)
+                   and not any(o.startswith(a.split("=", 1)[0]) for o in self._option_string_actions)]
+        if message.startswith("the following arguments are required") and unknown:
+            message = f"unrecognized arguments: {' '.join(unknown)}"
         raise UsageError(message, self.prog)
 
 

@@ -221,3 +221,17 @@ def test_an_unsupported_architecture_is_refused_before_torch_loads(tmp_path, kin
             "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60)
     assert_clean_error(r, fragment)
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["generate", "--nope"], "unrecognized arguments: --nope"),  # was "-p/--prompt is required"
+    (["generate"], "required: -p/--prompt"),
+    (["generate", "-p"], "expected one argument"),
+    (["bench", "ops", "--nope"], "unrecognized arguments: --nope"),
+])
+def test_flag_errors_name_the_flag(argv, fragment):
+    from test_bad_input_corpus import run_main
+
+    code, err = run_main(argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 2 and fragment in lines[0] and lines[1].startswith("(see ")

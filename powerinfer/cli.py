@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     model = model_flag(argv)
     if model is not None:
-        from .formats.detect import check_supported
+        from .models.detect import check_supported
 
         try:  # before the subcommands (and torch) load: an unsupported model is refused at once
             check_supported(model)

@@ -12,14 +12,13 @@ import torch
 
 from .errors import BadArgumentError, ModelFileError
 from .formats.finite import check_finite
-from .hub import looks_like_hub_id, resolve_hub_id
 from .formats.gguf import GGUF_MAGIC, open_gguf
 from .formats.hf import open_hf_dir
 from .models import family_module
 from .models.base import Model, ModelArgs
 from .ops import cpu
 from .ops.memory import drop_file_cache
-from .paths import default_model_path
+from .paths import default_model_path, looks_like_hub_id, resolve_hub_id
 from .tokenizer import Tokenizer, load_tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

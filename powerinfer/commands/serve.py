@@ -8,7 +8,7 @@ import socket
 import sys
 
 from ..errors import BadArgumentError
-from ..hub import looks_like_hub_id
+from ..paths import looks_like_hub_id
 from .common import add_engine_arguments, add_model_arguments, load_from_args
 
 

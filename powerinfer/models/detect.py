@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..models import family_name
+from . import family_name
 
 
 def check_supported(path: str) -> None:
@@ -20,7 +20,7 @@ def check_supported(path: str) -> None:
             if f.read(4) != b"GGUF":
                 return
         from ..errors import ModelFileError
-        from .gguf_check import read_header
+        from ..formats.gguf_check import read_header
 
         try:
             arch = read_header(path, os.path.getsize(path)).metadata.get("general.architecture")

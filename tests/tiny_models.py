@@ -10,7 +10,8 @@ VOCAB = 96
 
 
 def _configs() -> dict:
-    from transformers import FalconConfig, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config, Qwen3Config
+    from transformers import (FalconConfig, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, OPTConfig,
+                              Phi3Config, Qwen2Config, Qwen3Config)
 
     llama = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -30,6 +31,26 @@ def _configs() -> dict:
         "qwen2": Qwen2Config(**llama, tie_word_embeddings=True),
         # q/k norms; head_dim 24 with 4 heads: q is 96 wide on a 64-wide model, as Qwen3's are
         "qwen3": Qwen3Config(**llama, head_dim=24, tie_word_embeddings=True),
+        # windows of 4 and caps of a few units, so that both change the tiny model's outputs
+        # query_pre_attn_scalar = head_dim as in the released 2B and 9B: llama.cpp's converter drops it
+        "gemma2": Gemma2Config(**llama, head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
+                               attn_logit_softcapping=1.5, final_logit_softcapping=3.0),
+        "gemma2_query_scalar": Gemma2Config(**llama, head_dim=16, sliding_window=4, query_pre_attn_scalar=20,
+                                            attn_logit_softcapping=1.5, final_logit_softcapping=3.0),
+        # six layers: Gemma 3's pattern (five windowed, then a global one), as llama.cpp assumes it
+        "gemma3": Gemma3TextConfig(**{**llama, "num_hidden_layers": 6}, head_dim=24, sliding_window=4,
+                                   query_pre_attn_scalar=24, final_logit_softcapping=3.0,
+                                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                    "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 1000000.0}}),
+        # Phi-3-mini-4k's shape: a sliding window (4 here, so that it bites)
+        "phi3": Phi3Config(**llama, sliding_window=4, pad_token_id=0, eos_token_id=2, bos_token_id=1),
+        # Phi-3-mini-128k's LongRoPE (short factors below original_max_position_embeddings)
+        "phi3_longrope": Phi3Config(**{**llama, "max_position_embeddings": 256}, pad_token_id=0, eos_token_id=2,
+                                    bos_token_id=1, original_max_position_embeddings=64,
+                                    rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                     "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                                     "long_factor": [2.0 + 0.5 * i for i in range(8)]}),
         "opt": OPTConfig(**opt),
         "opt_proj_postnorm": OPTConfig(**{**opt, "word_embed_proj_dim": 32}, do_layer_norm_before=False),
         "opt_proj_prenorm": OPTConfig(**{**opt, "word_embed_proj_dim": 48}),
@@ -44,11 +65,16 @@ def _configs() -> dict:
 TINY_MODELS = sorted(_configs())
 
 
-def build_tiny(name: str, out: Path) -> Path:
-    """Save tiny model `name` (random weights, seed 0) as an HF directory under `out`."""
+def build_tiny(name: str, out: Path, tokenizer=None) -> Path:
+    """Save tiny model `name` (random weights, seed 0) as an HF directory under `out`; with an
+    HF `tokenizer`, sized for its vocabulary and saved with it (what a GGUF converter needs)."""
     from transformers import AutoModelForCausalLM
 
     config = _configs()[name]
+    if tokenizer is not None:
+        config.vocab_size = len(tokenizer)
+        config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+        config.pad_token_id = None
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random init is tiny; scale up so differences would show
@@ -58,6 +84,8 @@ def build_tiny(name: str, out: Path) -> Path:
     model.eval()
     path = out / name
     model.save_pretrained(path, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
     return path
 
 

@@ -18,6 +18,9 @@ FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "llama": (("llama", "mistral"), ("llama",)),
     "qwen2": (("qwen2",), ("qwen2",)),
     "qwen3": (("qwen3",), ("qwen3",)),
+    "gemma2": (("gemma2",), ("gemma2",)),
+    "gemma3": (("gemma3_text",), ("gemma3",)),
+    "phi3": (("phi3",), ("phi3",)),
     "opt": (("opt",), ()),
     "falcon": (("falcon", "RefinedWeb", "RefinedWebModel"), ()),
 }

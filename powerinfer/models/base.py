@@ -52,7 +52,15 @@ class ModelArgs:
     act: str = "silu"
     gated_ffn: bool = True
     up_act: str | None = None  # Bamboo-style ReLU on the up projection as well
-    qk_norm: bool = False  # RMSNorm of each head's q and k before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm of each head's q and k before RoPE (Qwen3, Gemma 3)
+    embed_scale: float = 1.0  # the embeddings are multiplied by it (Gemma: sqrt(d_model))
+    post_norms: bool = False  # a norm on the attention's and the FFN's output before each residual add (Gemma 2/3)
+    attn_scale: float | None = None  # the q.k scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # attention scores -> cap * tanh(score / cap) (Gemma 2)
+    final_softcap: float | None = None  # the same on the logits
+    sliding_window: int | None = None  # a windowed layer attends to its last `sliding_window` positions
+    window_layers: list[bool] | None = None  # which layers are windowed; None: all (when sliding_window is set)
+    rope_inv_freq_local: list[float] | None = None  # windowed layers' own RoPE frequencies (Gemma 3)
     parallel_block: bool = False  # attention and FFN read the same input (Falcon)
     pre_norm: bool = True  # False: post-norm (OPT-350m)
     tie_embeddings: bool = False
@@ -92,6 +100,23 @@ class ModelArgs:
             raise error(f"{where}rope_inv_freq must hold head_dim / 2 = {self.head_dim // 2} frequencies")
         if not 0 < self.norm_eps < 1:  # NaN too
             raise error(f"{where}norm_eps must be in (0, 1), got {self.norm_eps!r}")
+        for name in ("embed_scale", "attn_scale", "attn_softcap", "final_softcap"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0):
+                raise error(f"{where}{name} must be a positive number, got {value!r}")
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise error(f"{where}sliding_window must be a positive integer, got {window!r}")
+        if self.window_layers is not None and (window is None or len(self.window_layers) != self.n_layers):
+            raise error(f"{where}window_layers needs sliding_window and one entry per layer ({self.n_layers})")
+        if self.rope_inv_freq_local is not None and len(self.rope_inv_freq_local) != self.head_dim // 2:
+            raise error(f"{where}rope_inv_freq_local must hold head_dim / 2 = {self.head_dim // 2} frequencies")
+
+    def windowed(self, layer: int) -> bool:
+        """Whether layer `layer` attends through the sliding window (and uses the local RoPE)."""
+        if self.sliding_window is None:
+            return False
+        return True if self.window_layers is None else bool(self.window_layers[layer])
 
     def shape_problem(self, state: dict) -> str | None:
         """The first tensor of a canonical state dict whose shape disagrees with these
@@ -104,6 +129,7 @@ class ModelArgs:
             expected.update({p + "wqkv": (self.q_dim + 2 * self.kv_dim, d), p + "wo": (d, self.q_dim),
                              p + "ffn.w_in": (n_in, d), p + "ffn.w_out": (d, self.ffn_dim),
                              p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,),
+                             p + "post_attn_norm.weight": (d,), p + "post_ffn_norm.weight": (d,),
                              p + "q_norm.weight": (self.head_dim,), p + "k_norm.weight": (self.head_dim,)})
         for name, want in expected.items():
             t = state.get(name)
@@ -178,6 +204,8 @@ class Layer:
     attn: Attention
     ffn_norm: Norm | None  # None in a parallel block that shares attn_norm
     ffn: FFN
+    post_attn_norm: Norm | None = None  # args.post_norms: on the attention output before the residual add
+    post_ffn_norm: Norm | None = None  # and on the FFN output
     fused_decode: bool = False  # decode runs the attention block as one kernel (ops/api.py)
     decode_weights: api.AttentionWeights | None = None  # that kernel's per-layer weights, built once
 
@@ -279,34 +307,47 @@ class Model:
             on_tier = t.attention_on_tier(i)
             attn = Attention(linear(p + "wqkv", p + "bqkv", on_tier), linear(p + "wo", p + "bo", on_tier),
                              norm(p + "q_norm"), norm(p + "k_norm"))
-            layer = Layer(attn_norm, attn, norm(p + "ffn_norm"), ffn)
+            layer = Layer(attn_norm, attn, norm(p + "ffn_norm"), ffn, norm(p + "post_attn_norm"),
+                          norm(p + "post_ffn_norm"))
             layer.fused_decode = self._can_fuse(layer)
             self.layers.append(layer)
-        self._rope = torch.empty(0, dtype=torch.complex64)
-        self._rope_cs: tuple[np.ndarray, np.ndarray] | None = None
+        # per RoPE frequency set (global; local: the windowed layers' own, where a family has one)
+        self._rope: dict[bool, torch.Tensor] = {}
+        self._rope_cs: dict[bool, tuple[np.ndarray, np.ndarray]] = {}
         self._decode_bufs = threading.local()  # per thread: the FFN input at fused decode
-        self._attn_shape = api.AttentionShape(args.n_heads, args.n_kv_heads, args.head_dim, args.head_dim**-0.5,
+        scale = args.attn_scale if args.attn_scale is not None else args.head_dim**-0.5
+        self._attn_shape = api.AttentionShape(args.n_heads, args.n_kv_heads, args.head_dim, scale,
                                               args.position == "rope")
+        self._windowed = [args.windowed(i) for i in range(args.n_layers)]
+        self._local_rope = [w and args.rope_inv_freq_local is not None for w in self._windowed]
+        # the decode kernels know neither a window nor soft-capping: such layers take torch's path
+        self._kernel_attention = [not w and args.attn_softcap is None for w in self._windowed]
 
     def _can_fuse(self, layer: Layer) -> bool:
         """Whether decode can run this layer's attention block in one kernel: a pre-norm,
         sequential RMSNorm block (the Llama shape) with CPU weights the kernels read."""
         a = self.args
-        return (a.pre_norm and not a.parallel_block and not a.qk_norm and a.norm == "rms" and a.position in ("rope", "learned")
+        plain = not (a.post_norms or a.attn_softcap is not None or a.sliding_window is not None)
+        return (plain and a.pre_norm and not a.parallel_block and not a.qk_norm and a.norm == "rms"
+                and a.position in ("rope", "learned")
                 and layer.attn_norm.weight is not None and layer.ffn_norm is not None
                 and layer.ffn_norm.weight is not None and layer.attn.qkv.w_np is not None
                 and layer.attn.o.w_np is not None)
 
     # -- positions -----------------------------------------------------------------------
-    def rope_table(self, length: int) -> torch.Tensor:
-        """Complex rotations e^{i p w} for positions [0, length), grown on demand."""
-        if self._rope.shape[0] < length:
-            length = max(length, 2 * self._rope.shape[0])
+    def rope_table(self, length: int, local: bool = False) -> torch.Tensor:
+        """Complex rotations e^{i p w} for positions [0, length), grown on demand; `local`: with
+        the windowed layers' own frequencies."""
+        table = self._rope.get(local)
+        if table is None or table.shape[0] < length:
+            length = max(length, 2 * (0 if table is None else table.shape[0]))
             # fp32 angles, as transformers computes them, so logits match the oracle closely.
-            inv_freq = torch.tensor(self.args.rope_inv_freq, dtype=torch.float32)
+            freqs = self.args.rope_inv_freq_local if local else self.args.rope_inv_freq
+            inv_freq = torch.tensor(freqs, dtype=torch.float32)
             angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
-            self._rope = torch.polar(torch.full_like(angles, self.args.rope_attention_factor), angles)
-        return self._rope
+            factor = 1.0 if local else self.args.rope_attention_factor
+            table = self._rope[local] = torch.polar(torch.full_like(angles, factor), angles)
+        return table
 
     def new_cache(self, max_len: int) -> KVCache:
         """A KV cache for up to `max_len` positions: in CPU memory, or on the GPU tier for
@@ -321,6 +362,8 @@ class Model:
             x = quant.embedding(self.embed, tokens)
         else:  # the residual stream is on the CPU
             x = F.embedding(tokens.to(self.embed.device), self.embed).float().cpu()
+        if self.args.embed_scale != 1.0:
+            x = x * self.args.embed_scale
         if self.project_in is not None:
             x = self.project_in(x)
         if self.pos_embed is not None:
@@ -336,7 +379,7 @@ class Model:
         qkv = attn.qkv(x.to(w_dev)).to(kv_dev)
         if attn.q_norm is not None:
             qkv = self._norm_qk(qkv, attn)
-        if x.shape[0] == 1 and cache.k_np[layer_idx] is not None:
+        if x.shape[0] == 1 and cache.k_np[layer_idx] is not None and self._kernel_attention[layer_idx]:
             out = self._attend_one(layer_idx, qkv[0], cache, start).unsqueeze(0)
         else:
             out = self._attend_torch(layer_idx, qkv, cache, start)
@@ -358,20 +401,26 @@ class Model:
         k = qkv[:, a.q_dim : a.q_dim + a.kv_dim].view(T, a.n_kv_heads, a.head_dim)
         v = qkv[:, a.q_dim + a.kv_dim :].view(T, a.n_kv_heads, a.head_dim)
         if a.position == "rope":
-            rot = self.rope_table(start + T)[start : start + T, None, :].to(dev)
+            rot = self.rope_table(start + T, self._local_rope[layer_idx])[start : start + T, None, :].to(dev)
             q = _rotate(q, rot)
             k = _rotate(k, rot)
         keys, values = cache.update(layer_idx, start, k, v)
         S = start + T
+        window = a.sliding_window if self._windowed[layer_idx] else None
+        if a.attn_softcap is not None:
+            out = _softcapped_attention(q.transpose(0, 1), keys, values, start, window, self._attn_shape.scale,
+                                        a.attn_softcap)
+            return out.transpose(0, 1).reshape(T, a.q_dim)
         mask = None
-        if T > 1 and start > 0:
-            mask = torch.arange(S, device=dev)[None, :] <= (start + torch.arange(T, device=dev))[:, None]
+        if (T > 1 and start > 0) or (window is not None and S > window):
+            mask = _causal_mask(T, S, start, window, dev)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             keys.unsqueeze(0),
             values.unsqueeze(0),
             attn_mask=mask,
-            is_causal=T > 1 and start == 0,
+            is_causal=mask is None and T > 1,
+            scale=self._attn_shape.scale,
             enable_gqa=a.n_heads != a.n_kv_heads,
         )
         return out[0].transpose(0, 1).reshape(T, a.q_dim)
@@ -379,18 +428,20 @@ class Model:
     def _attend_one(self, layer_idx: int, qkv: torch.Tensor, cache: KVCache, pos: int) -> torch.Tensor:
         """Decode attention in one numba call: RoPE, cache write, softmax(qk)v for all heads."""
         a = self.args
-        cos, sin = self.rope_cos_sin(pos + 1) if self._attn_shape.rope else (_EMPTY_TABLE, _EMPTY_TABLE)
+        rope = self._attn_shape.rope
+        cos, sin = self.rope_cos_sin(pos + 1, self._local_rope[layer_idx]) if rope else (_EMPTY_TABLE, _EMPTY_TABLE)
         out = torch.empty(a.q_dim, dtype=torch.float32)
         api.attend_one(qkv.numpy(), self._attn_shape, pos, cos, sin, cache.k_np[layer_idx], cache.v_np[layer_idx],
                        out.numpy())
         return out
 
-    def rope_cos_sin(self, length: int) -> tuple[np.ndarray, np.ndarray]:
+    def rope_cos_sin(self, length: int, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """The rope table as separate fp32 cos and sin arrays (positions, head_dim/2)."""
-        table = self.rope_table(length)
-        if self._rope_cs is None or self._rope_cs[0].shape[0] != table.shape[0]:
-            self._rope_cs = (table.real.contiguous().numpy(), table.imag.contiguous().numpy())
-        return self._rope_cs
+        table = self.rope_table(length, local)
+        cs = self._rope_cs.get(local)
+        if cs is None or cs[0].shape[0] != table.shape[0]:
+            cs = self._rope_cs[local] = (table.real.contiguous().numpy(), table.imag.contiguous().numpy())
+        return cs
 
     def _fused_block(self, i: int, layer: Layer, x: torch.Tensor, cache: KVCache, pos: int) -> torch.Tensor:
         """One decode token through a layer with two kernel calls; x (1, d) is updated in place.
@@ -421,11 +472,15 @@ class Model:
             return layer.ffn_norm(layer.ffn(x, residual=x))
         h = layer.attn_norm(x)
         attn_out = self.attention(i, layer.attn, h, cache, start)
+        if layer.post_attn_norm is not None:
+            attn_out = layer.post_attn_norm(attn_out)
         if self.args.parallel_block:
             ffn_in = h if layer.ffn_norm is None else layer.ffn_norm(x)
             return layer.ffn(ffn_in, residual=x + attn_out)
         x = x + attn_out
         assert layer.ffn_norm is not None
+        if layer.post_ffn_norm is not None:
+            return x + layer.post_ffn_norm(layer.ffn(layer.ffn_norm(x)))
         return layer.ffn(layer.ffn_norm(x), residual=x)
 
     def hidden_to_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -433,7 +488,9 @@ class Model:
             x = self.final_norm(x)
         if self.project_out is not None:
             x = self.project_out(x)
-        return self.lm_head(x.to(self.lm_head.weight.device)).cpu()
+        logits = self.lm_head(x.to(self.lm_head.weight.device)).cpu()
+        cap = self.args.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
@@ -472,8 +529,9 @@ class Model:
         for layer in self.layers:
             out += [layer.attn_norm.weight, layer.attn_norm.bias]
             out += layer.attn.qkv.tensors() + layer.attn.o.tensors()
-            if layer.ffn_norm is not None:
-                out += [layer.ffn_norm.weight, layer.ffn_norm.bias]
+            for norm in (layer.ffn_norm, layer.post_attn_norm, layer.post_ffn_norm, layer.attn.q_norm, layer.attn.k_norm):
+                if norm is not None:
+                    out += [norm.weight, norm.bias]
             out += layer.ffn.tensors()
         return [t for t in out if t is not None]
 
@@ -483,3 +541,26 @@ def _rotate(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     T, H, D = x.shape
     xc = torch.view_as_complex(x.float().reshape(T, H, D // 2, 2))
     return torch.view_as_real(xc * rot).reshape(T, H, D).to(x.dtype)
+
+
+def _causal_mask(T: int, S: int, start: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """(T, S) bool: query start+t may see key s (causal; within the last `window` positions)."""
+    q_pos = start + torch.arange(T, device=device)[:, None]
+    k_pos = torch.arange(S, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    return allowed
+
+
+def _softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                          window: int | None, scale: float, cap: float) -> torch.Tensor:
+    """softmax(cap * tanh(q k^T * scale / cap)) v, spelt out: SDPA has no soft-capping.
+    q (H, T, D), keys and values (H_kv, S, D); returns (H, T, D)."""
+    H, T, _ = q.shape
+    group = H // keys.shape[0]
+    k = keys.repeat_interleave(group, 0) if group > 1 else keys
+    v = values.repeat_interleave(group, 0) if group > 1 else values
+    scores = torch.tanh((q @ k.transpose(1, 2)) * (scale / cap)) * cap
+    scores = scores.masked_fill(~_causal_mask(T, k.shape[1], start, window, q.device), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v

@@ -31,12 +31,15 @@ def config_object(config: dict[str, Any]) -> Any:
         raise ModelFileError(f"config.json: cannot read it as a {model_type!r} config ({detail})") from None
 
 
-def rope_frequencies(cfg: Any, head_dim: int) -> tuple[list[float], float]:
-    """(inverse frequencies per rotary pair, attention factor) of a transformers config."""
+def rope_frequencies(cfg: Any, head_dim: int, layer_type: str | None = None) -> tuple[list[float], float]:
+    """(inverse frequencies per rotary pair, attention factor) of a transformers config; with
+    `layer_type`, those of that kind of layer (Gemma 3's "sliding_attention", "full_attention")."""
     import torch
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = dict(getattr(cfg, "rope_parameters", None) or {})
+    if layer_type is not None:
+        params = dict(params.get(layer_type, params))
     legacy = getattr(cfg, "rope_scaling", None) or {}
     if not params:  # transformers 4.x keeps these as separate attributes
         params = {"rope_theta": getattr(cfg, "rope_theta", 10000.0), **legacy}
@@ -49,5 +52,8 @@ def rope_frequencies(cfg: Any, head_dim: int) -> tuple[list[float], float]:
         return inv.tolist(), 1.0
     if rope_type in _DYNAMIC_ROPE or rope_type not in ROPE_INIT_FUNCTIONS:
         raise UnsupportedModelError(f"RoPE scaling type {rope_type!r} is not supported")
-    inv, factor = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+    if layer_type is not None:
+        inv, factor = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"), layer_type=layer_type)
+    else:
+        inv, factor = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
     return inv.float().tolist(), float(factor)

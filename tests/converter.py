@@ -1,0 +1,69 @@
+"""llama.cpp's own HF -> GGUF converter (convert_hf_to_gguf.py, fetched by `make setup` from
+the llama-cpp-python sdist), run on tiny HF checkpoints: the GGUF tests then read files as
+llama.cpp writes them instead of files our own test writer imitates."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CONVERTER = Path(os.environ.get("POWERINFER_CONVERTER", REPO / ".venv" / "llama-cpp-converter" / "convert_hf_to_gguf.py"))
+
+
+def require_converter() -> Path:
+    """The converter's path; the test is skipped without it, except in CI (CI=true), where
+    `make setup` must have fetched it."""
+    if not CONVERTER.is_file():
+        if os.environ.get("CI"):
+            pytest.fail(f"{CONVERTER} is missing: `make setup` fetches it")
+        pytest.skip(f"llama.cpp's converter is not at {CONVERTER} (`make setup` fetches it)")
+    return CONVERTER
+
+
+def convert(hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
+    """Convert `hf_dir` to the GGUF file `out` with llama.cpp's converter."""
+    converter = require_converter()
+    done = subprocess.run([sys.executable, str(converter), str(hf_dir), "--outfile", str(out), "--outtype", outtype],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise AssertionError(f"convert_hf_to_gguf.py failed on {hf_dir}:\n{done.stderr[-3000:]}")
+    return out
+
+
+# Gemma's turn format, so that the converter carries a template into the GGUF
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' "
+                 "else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+SPM_TEXT = (["The quick brown fox jumps over the lazy dog.", "Explain in three sentences why the sky is blue.",
+             "A tokenizer splits text into pieces; a model reads them."] * 40
+            + [f"number {i} and word{i % 37} said: hello, world!" for i in range(300)])
+
+
+def spm_tokenizer(out: Path, dummy_prefix: bool, vocab_size: int = 512):
+    """A SentencePiece BPE tokenizer trained here (byte fallback, <pad> <eos> <bos> <unk> as
+    ids 0-3; a dummy space prefix as Llama and Phi-3 have it, none as Gemma), saved as
+    tokenizer.model in `out` and returned as an HF tokenizer: for families whose converter
+    path wants a tokenizer.model."""
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(SPM_TEXT), model_writer=model, vocab_size=vocab_size,
+                                   model_type="bpe", pad_id=0, eos_id=1, bos_id=2, unk_id=3, byte_fallback=True,
+                                   add_dummy_prefix=dummy_prefix, remove_extra_whitespaces=False,
+                                   normalization_rule_name="identity", minloglevel=2)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.model").write_bytes(model.getvalue())
+    tokenizer_class = "GemmaTokenizer" if not dummy_prefix else "LlamaTokenizer"
+    (out / "tokenizer_config.json").write_text('{"tokenizer_class": "' + tokenizer_class + '", "bos_token": "<s>", '
+                                               '"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>", '
+                                               '"add_bos_token": true, "chat_template": ' + json.dumps(CHAT_TEMPLATE) + '}')
+    return AutoTokenizer.from_pretrained(out)

@@ -203,20 +203,20 @@ def test_an_unsupported_architecture_is_refused_before_torch_loads(tmp_path, kin
     import numpy as np
 
     if kind == "gguf":
-        path = tmp_path / "gemma3.gguf"
-        w = gguf.GGUFWriter(str(path), "gemma3")
+        path = tmp_path / "mamba.gguf"
+        w = gguf.GGUFWriter(str(path), "mamba")
         w.add_block_count(1)
         w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        fragment = "unsupported GGUF architecture 'gemma3'; supported: llama, qwen2"
+        fragment = "unsupported GGUF architecture 'mamba'; supported: gemma2, gemma3, llama, phi3, qwen2, qwen3"
     else:
-        path = tmp_path / "gemma3"
+        path = tmp_path / "mamba"
         path.mkdir()
-        (path / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
-        fragment = "unsupported model_type 'gemma3'; supported:"
+        (path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+        fragment = "unsupported model_type 'mamba'; supported:"
     code = ("import sys; from powerinfer.cli import main; rc = main(['generate', '-m', sys.argv[1], '-p', 'hi']); "
             "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60)

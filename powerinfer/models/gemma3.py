@@ -19,7 +19,7 @@ from .hf_config import config_object, rope_frequencies
 
 SLIDING_PATTERN = 6  # five windowed layers, then a global one
 LARGEST_LAYERS = 62  # Gemma 3 27B
-LOCAL_ROPE_BASE = 10000.0  # llama.cpp's fixed base for the windowed layers
+LOCAL_ROPE_BASE = 10000.0  # llama.cpp's default base for the windowed layers
 
 
 def args_from_hf(config: dict[str, Any]) -> ModelArgs:
@@ -39,7 +39,8 @@ def state_from_hf(ckpt: HFCheckpoint, args: ModelArgs) -> dict[str, torch.Tensor
 
 def args_from_gguf(g: GGUFFile) -> ModelArgs:
     args = gemma2.args_from_gguf(g, "gemma3", SLIDING_PATTERN, LARGEST_LAYERS)
-    local = rope_inv_freq(args.head_dim, LOCAL_ROPE_BASE) if args.sliding_window else None
+    base = float(g.get("{arch}.rope.freq_base_swa", LOCAL_ROPE_BASE))  # newer converters write it
+    local = rope_inv_freq(args.head_dim, base) if args.sliding_window else None
     return replace(args, qk_norm=True, attn_softcap=None, rope_inv_freq_local=local)
 
 

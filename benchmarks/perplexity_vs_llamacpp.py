@@ -35,7 +35,8 @@ def peer(path: str, text_file: str, ctx: int, chunks: int, threads: int) -> floa
                         "-t", str(threads)], capture_output=True, text=True)
     m = re.search(r"Final estimate: PPL = ([0-9.]+)", r.stdout + r.stderr)
     if not m:
-        sys.exit(f"llama-perplexity gave no estimate: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+        errors = [line for line in (r.stderr + r.stdout).splitlines() if " E " in line or "error" in line]
+        raise RuntimeError(f"llama-perplexity gave no estimate: {(errors or (r.stderr or r.stdout).splitlines())[:1]}")
     return float(m.group(1))
 
 
@@ -52,7 +53,10 @@ def main() -> int:
 
     path = a.model or default_model_path()
     text = open(a.file, encoding="utf-8").read()
-    ref = peer(path, a.file, a.ctx, a.chunks, a.threads)
+    try:
+        ref = peer(path, a.file, a.ctx, a.chunks, a.threads)
+    except RuntimeError as e:
+        sys.exit(str(e))
     print(f"{os.path.basename(path)}, {os.path.basename(a.file)}, c={a.ctx}, {a.chunks} chunks, second halves scored\n")
     print("| engine | perplexity | vs llama-perplexity |\n|---|---|---|")
     print(f"| llama-perplexity | {ref:.4f} | — |")

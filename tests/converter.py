@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -67,3 +68,28 @@ def spm_tokenizer(out: Path, dummy_prefix: bool, vocab_size: int = 512):
                                                '"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>", '
                                                '"add_bos_token": true, "chat_template": ' + json.dumps(CHAT_TEMPLATE) + '}')
     return AutoTokenizer.from_pretrained(out)
+
+
+# the converter takes gpt2-style tokenizers only when it recognises their pre-tokenizer, and
+# these families' paths want a SentencePiece tokenizer.model first: they get one trained here
+SPM_FAMILIES = {"gemma2", "qwen2", "phi3", "phi3_longrope"}
+
+
+def convert_tiny(name: str, root: Path, outtype: str = "f32") -> tuple[Path, Path]:
+    """(HF dir, GGUF file) of tiny model `name` (tests/tiny_models.py) under `root`, with a
+    tokenizer the converter takes: SmolLM2's, or a SentencePiece one trained here (a dummy
+    prefix except for Gemma). The HF checkpoint is built once per root."""
+    from tiny_models import build_tiny
+
+    hf_dir = root / name
+    if not hf_dir.exists():
+        if name in SPM_FAMILIES:
+            spm_dir = root / f"spm-{name}"
+            build_tiny(name, root, spm_tokenizer(spm_dir, dummy_prefix=not name.startswith("gemma")))
+            shutil.copy(spm_dir / "tokenizer.model", hf_dir)
+        else:
+            from powerinfer.paths import default_model_path
+            from powerinfer.tokenizer import load_tokenizer
+
+            build_tiny(name, root, load_tokenizer(default_model_path()).hf)
+    return hf_dir, convert(hf_dir, root / f"{name}.{outtype}.gguf", outtype)

@@ -5,45 +5,26 @@ Q8_0 weights against the same file dequantized."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
-from converter import convert, require_converter, spm_tokenizer
-from tiny_models import build_tiny
+from converter import SPM_FAMILIES, convert_tiny, require_converter
 
 from powerinfer.loader import load
 
-# the converter takes gpt2-style tokenizers only when it recognises their pre-tokenizer, and
-# these families' paths want a SentencePiece tokenizer.model first: they get one trained here
-SPM_FAMILIES = {"gemma2", "qwen2", "phi3", "phi3_longrope"}
 CONVERTED = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi3_longrope"]
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """name -> (HF dir, F32 GGUF path), built once per module and family."""
+    """(name, outtype) -> (HF dir, GGUF path), made once per module."""
     require_converter()
     root = tmp_path_factory.mktemp("converted")
     made: dict = {}
 
     def get(name: str, outtype: str = "f32"):
-        key = (name, outtype)
-        if key not in made:
-            hf_dir = root / name
-            if not hf_dir.exists():
-                if name in SPM_FAMILIES:
-                    spm_dir = root / f"spm-{name}"
-                    tokenizer = spm_tokenizer(spm_dir, dummy_prefix=not name.startswith("gemma"))
-                    build_tiny(name, root, tokenizer)
-                    shutil.copy(spm_dir / "tokenizer.model", hf_dir)
-                else:
-                    from powerinfer.paths import default_model_path
-                    from powerinfer.tokenizer import load_tokenizer
-
-                    build_tiny(name, root, load_tokenizer(default_model_path()).hf)
-            made[key] = hf_dir, convert(hf_dir, root / f"{name}.{outtype}.gguf", outtype)
-        return made[key]
+        if (name, outtype) not in made:
+            made[name, outtype] = convert_tiny(name, root, outtype)
+        return made[name, outtype]
 
     return get
 

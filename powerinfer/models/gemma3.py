@@ -13,7 +13,7 @@ import torch
 
 from ..formats.gguf import GGUFFile
 from ..formats.hf import HFCheckpoint
-from . import gemma2, qwen3
+from . import gemma2, llama, qwen3
 from .base import ModelArgs, rope_inv_freq
 from .hf_config import config_object, rope_frequencies
 
@@ -24,17 +24,18 @@ LOCAL_ROPE_BASE = 10000.0  # llama.cpp's default base for the windowed layers
 
 def args_from_hf(config: dict[str, Any]) -> ModelArgs:
     cfg = config_object(config)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = llama.head_dim_of(cfg)
     per_type = "full_attention" in (getattr(cfg, "rope_parameters", None) or {})
     inv_freq, factor = rope_frequencies(cfg, head_dim, "full_attention" if per_type else None)
     local, _ = rope_frequencies(cfg, head_dim, "sliding_attention") if per_type else (None, 1.0)
-    return replace(gemma2.args_from_config(cfg, "gemma3", inv_freq, factor, local, SLIDING_PATTERN), qk_norm=True)
+    return gemma2.args_from_config(cfg, "gemma3", SLIDING_PATTERN, rope_inv_freq=inv_freq, rope_attention_factor=factor,
+                                   rope_inv_freq_local=local, qk_norm=True)
 
 
 def state_from_hf(ckpt: HFCheckpoint, args: ModelArgs) -> dict[str, torch.Tensor | None]:
     names = [(f"model.layers.{i}.self_attn.q_norm.weight", f"model.layers.{i}.self_attn.k_norm.weight")
              for i in range(args.n_layers)]
-    return qwen3._norms(gemma2.state_from_hf(ckpt, args), lambda name: ckpt.tensor(name).float() + 1.0, names)
+    return qwen3._norms(gemma2.state_from_hf(ckpt, args), lambda name: gemma2.plus_one(ckpt.tensor(name)), names)
 
 
 def args_from_gguf(g: GGUFFile) -> ModelArgs:

@@ -15,44 +15,51 @@ from .base import ModelArgs, half_split_to_interleaved, rope_inv_freq
 from .hf_config import config_object, rope_frequencies
 
 
-
 def _eos_list(value: Any) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
+def head_dim_of(cfg: Any) -> int:
+    """A transformers config's head size (an explicit head_dim, else hidden_size / heads)."""
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def config_args(cfg: Any, family: str, **fields: Any) -> ModelArgs:
+    """ModelArgs of a Llama-shaped transformers config (gated FFN, RMSNorm, RoPE): the sizes,
+    tokens and, unless `fields` say otherwise, the default RoPE frequencies and the context."""
+    head_dim = head_dim_of(cfg)
+    if "rope_inv_freq" not in fields:
+        fields["rope_inv_freq"], fields["rope_attention_factor"] = rope_frequencies(cfg, head_dim)
+    return ModelArgs(**{
+        "family": family,
+        "vocab_size": cfg.vocab_size,
+        "d_model": cfg.hidden_size,
+        "n_layers": cfg.num_hidden_layers,
+        "n_heads": cfg.num_attention_heads,
+        "n_kv_heads": cfg.num_key_value_heads or cfg.num_attention_heads,
+        "head_dim": head_dim,
+        "ffn_dim": cfg.intermediate_size,
+        "max_seq_len": cfg.max_position_embeddings,
+        "norm_eps": cfg.rms_norm_eps,
+        "act": getattr(cfg, "hidden_act", None),
+        "tie_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+        "bos_token_id": getattr(cfg, "bos_token_id", None),
+        "eos_token_ids": _eos_list(getattr(cfg, "eos_token_id", None)),
+        **fields,
+    })
+
+
 def args_from_hf(config: dict[str, Any], family: str = "llama") -> ModelArgs:
     cfg = config_object(config)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    inv_freq, factor = rope_frequencies(cfg, head_dim)
     max_len = cfg.max_position_embeddings
     window = getattr(cfg, "sliding_window", None)
     if window and getattr(cfg, "use_sliding_window", True):
         max_len = min(max_len, window)  # beyond the window our full attention would differ
     if getattr(cfg, "mlp_bias", False):
         raise UnsupportedModelError("llama mlp_bias=True is not supported")
-    return ModelArgs(
-        family=family,
-        vocab_size=cfg.vocab_size,
-        d_model=cfg.hidden_size,
-        n_layers=cfg.num_hidden_layers,
-        n_heads=cfg.num_attention_heads,
-        n_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
-        head_dim=head_dim,
-        ffn_dim=cfg.intermediate_size,
-        max_seq_len=max_len,
-        norm="rms",
-        norm_eps=cfg.rms_norm_eps,
-        rope_inv_freq=inv_freq,
-        rope_attention_factor=factor,
-        act=cfg.hidden_act,
-        gated_ffn=True,
-        up_act=config.get("up_act"),
-        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        bos_token_id=getattr(cfg, "bos_token_id", None),
-        eos_token_ids=_eos_list(getattr(cfg, "eos_token_id", None)),
-    )
+    return config_args(cfg, family, max_seq_len=max_len, up_act=config.get("up_act"))
 
 
 def gated_layer_state(i: int, ckpt: HFCheckpoint | GGUFFile, names: dict[str, str], args: ModelArgs,
@@ -89,7 +96,23 @@ def gated_layer_state(i: int, ckpt: HFCheckpoint | GGUFFile, names: dict[str, st
     return out
 
 
-def state_from_hf(ckpt: HFCheckpoint, args: ModelArgs) -> dict[str, torch.Tensor | None]:
+# a Llama-style HF layer's tensors, under model.layers.{i}.
+HF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight",
+    "q": "self_attn.q_proj.weight",
+    "k": "self_attn.k_proj.weight",
+    "v": "self_attn.v_proj.weight",
+    "o": "self_attn.o_proj.weight",
+    "ffn_norm": "post_attention_layernorm.weight",
+    "gate": "mlp.gate_proj.weight",
+    "up": "mlp.up_proj.weight",
+    "down": "mlp.down_proj.weight",
+}
+
+
+def state_from_hf(ckpt: HFCheckpoint, args: ModelArgs, **layer_names: str) -> dict[str, torch.Tensor | None]:
+    """Canonical state of a Llama-style HF checkpoint; `layer_names` replace entries of
+    HF_LAYER_NAMES where a family names a tensor its own way (Gemma's ffn_norm)."""
     get = ckpt.tensor
     state: dict[str, torch.Tensor | None] = {
         "embed": get("model.embed_tokens.weight"),
@@ -99,17 +122,7 @@ def state_from_hf(ckpt: HFCheckpoint, args: ModelArgs) -> dict[str, torch.Tensor
         state["lm_head"] = get("lm_head.weight")
     for i in range(args.n_layers):
         p = f"model.layers.{i}."
-        names = {
-            "attn_norm": p + "input_layernorm.weight",
-            "q": p + "self_attn.q_proj.weight",
-            "k": p + "self_attn.k_proj.weight",
-            "v": p + "self_attn.v_proj.weight",
-            "o": p + "self_attn.o_proj.weight",
-            "ffn_norm": p + "post_attention_layernorm.weight",
-            "gate": p + "mlp.gate_proj.weight",
-            "up": p + "mlp.up_proj.weight",
-            "down": p + "mlp.down_proj.weight",
-        }
+        names = {key: p + name for key, name in {**HF_LAYER_NAMES, **layer_names}.items()}
         state.update(gated_layer_state(i, ckpt, names, args, permute_qk=True))
         if ckpt.has(p + "self_attn.o_proj.bias"):
             state[f"layers.{i}.bo"] = ckpt.tensor(p + "self_attn.o_proj.bias")

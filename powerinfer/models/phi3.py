@@ -11,7 +11,8 @@ uses the short factors and caps the context at that length, where both agree wit
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import replace
+from typing import Any, Callable
 
 import torch
 
@@ -40,28 +41,11 @@ def _rope(cfg: Any, head_dim: int) -> tuple[list[float], float, int | None]:
 
 def args_from_hf(config: dict[str, Any]) -> ModelArgs:
     cfg = config_object(config)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    inv_freq, factor, cap = _rope(cfg, head_dim)
+    inv_freq, factor, cap = _rope(cfg, llama.head_dim_of(cfg))
     window = getattr(cfg, "sliding_window", None)
-    return ModelArgs(
-        family="phi3",
-        vocab_size=cfg.vocab_size,
-        d_model=cfg.hidden_size,
-        n_layers=cfg.num_hidden_layers,
-        n_heads=cfg.num_attention_heads,
-        n_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
-        head_dim=head_dim,
-        ffn_dim=cfg.intermediate_size,
-        max_seq_len=min(cfg.max_position_embeddings, cap or cfg.max_position_embeddings),
-        norm_eps=cfg.rms_norm_eps,
-        rope_inv_freq=inv_freq,
-        rope_attention_factor=factor,
-        act=cfg.hidden_act,
-        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        sliding_window=window or None,
-        bos_token_id=getattr(cfg, "bos_token_id", None),
-        eos_token_ids=llama._eos_list(getattr(cfg, "eos_token_id", None)),
-    )
+    return llama.config_args(cfg, "phi3", rope_inv_freq=inv_freq, rope_attention_factor=factor,
+                             max_seq_len=min(cfg.max_position_embeddings, cap or cfg.max_position_embeddings),
+                             sliding_window=window or None)
 
 
 def _qkv(w: torch.Tensor, args: ModelArgs) -> torch.Tensor:
@@ -72,31 +56,37 @@ def _qkv(w: torch.Tensor, args: ModelArgs) -> torch.Tensor:
                       half_split_to_interleaved(w[q:q + kv], args.n_kv_heads), w[q + kv:]])
 
 
-def state_from_hf(ckpt: HFCheckpoint, args: ModelArgs) -> dict[str, torch.Tensor | None]:
-    get = ckpt.tensor
-    state: dict[str, torch.Tensor | None] = {
-        "embed": get("model.embed_tokens.weight"),
-        "final_norm.weight": get("model.norm.weight"),
-    }
-    if not args.tie_embeddings:
-        state["lm_head"] = get("lm_head.weight")
+# the checkpoint's names of the canonical tensors: top level, then per layer ({p}: its prefix)
+HF_NAMES = ({"embed": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight", "lm_head": "lm_head.weight"},
+            {"attn_norm.weight": "{p}input_layernorm.weight", "wqkv": "{p}self_attn.qkv_proj.weight",
+             "wo": "{p}self_attn.o_proj.weight", "ffn_norm.weight": "{p}post_attention_layernorm.weight",
+             "ffn.w_in": "{p}mlp.gate_up_proj.weight", "ffn.w_out": "{p}mlp.down_proj.weight"}, "model.layers.{i}.")
+GGUF_NAMES = ({"embed": "token_embd.weight", "final_norm.weight": "output_norm.weight", "lm_head": "output.weight"},
+              {"attn_norm.weight": "{p}attn_norm.weight", "wqkv": "{p}attn_qkv.weight", "wo": "{p}attn_output.weight",
+               "ffn_norm.weight": "{p}ffn_norm.weight", "ffn.w_in": "{p}ffn_up.weight", "ffn.w_out": "{p}ffn_down.weight"},
+              "blk.{i}.")
+
+
+def _state(get: Callable[[str], torch.Tensor], args: ModelArgs, names: tuple) -> dict[str, torch.Tensor | None]:
+    """Canonical state from either checkpoint's names. The fused q/k/v rows keep HF's
+    half-split RoPE layout in both (llama.cpp runs phi3 with NEOX RoPE) and are permuted."""
+    top, layer, prefix = names
+    state: dict[str, torch.Tensor | None] = {key: get(name) for key, name in top.items()
+                                             if key != "lm_head" or not args.tie_embeddings}
     for i in range(args.n_layers):
-        p, q = f"model.layers.{i}.", f"layers.{i}."
-        state.update({
-            q + "attn_norm.weight": get(p + "input_layernorm.weight"),
-            q + "wqkv": _qkv(get(p + "self_attn.qkv_proj.weight"), args),
-            q + "wo": get(p + "self_attn.o_proj.weight"),
-            q + "ffn_norm.weight": get(p + "post_attention_layernorm.weight"),
-            q + "ffn.w_in": get(p + "mlp.gate_up_proj.weight"),
-            q + "ffn.w_out": get(p + "mlp.down_proj.weight"),
-        })
+        p = prefix.format(i=i)
+        for key, name in layer.items():
+            t = get(name.format(p=p))
+            state[f"layers.{i}.{key}"] = _qkv(t, args) if key == "wqkv" else t
     return state
+
+
+def state_from_hf(ckpt: HFCheckpoint, args: ModelArgs) -> dict[str, torch.Tensor | None]:
+    return _state(ckpt.tensor, args, HF_NAMES)
 
 
 # -- GGUF ------------------------------------------------------------------------------------
 def args_from_gguf(g: GGUFFile) -> ModelArgs:
-    from dataclasses import replace
-
     args = llama.args_from_gguf(g, "phi3")
     rot = g.get("{arch}.rope.dimension_count")
     if rot is not None and int(rot) != args.head_dim:
@@ -117,22 +107,4 @@ def args_from_gguf(g: GGUFFile) -> ModelArgs:
 
 
 def state_from_gguf(g: GGUFFile, args: ModelArgs) -> dict[str, torch.Tensor | None]:
-    get = g.tensor
-    state: dict[str, torch.Tensor | None] = {
-        "embed": get("token_embd.weight"),
-        "final_norm.weight": get("output_norm.weight"),
-    }
-    if not args.tie_embeddings:
-        state["lm_head"] = get("output.weight")
-    for i in range(args.n_layers):
-        p, q = f"blk.{i}.", f"layers.{i}."
-        state.update({
-            q + "attn_norm.weight": get(p + "attn_norm.weight"),
-            # llama.cpp runs phi3 with NEOX RoPE: q/k keep HF's half-split layout
-            q + "wqkv": _qkv(get(p + "attn_qkv.weight"), args),
-            q + "wo": get(p + "attn_output.weight"),
-            q + "ffn_norm.weight": get(p + "ffn_norm.weight"),
-            q + "ffn.w_in": get(p + "ffn_up.weight"),
-            q + "ffn.w_out": get(p + "ffn_down.weight"),
-        })
-    return state
+    return _state(g.tensor, args, GGUF_NAMES)

@@ -120,6 +120,10 @@ class TieredFFN:
     def out_features(self) -> int:
         return self.cpu.out_features
 
+    def add_batch(self, h: np.ndarray, x: np.ndarray) -> bool:
+        """No batched kernel yet: a batch runs `add_one` per sequence (each its own rows)."""
+        return False
+
     def split(self, packed_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Active packed indices -> (GPU tier rows, CPU tier rows)."""
         cut = int(torch.searchsorted(packed_idx, self.gpu.n))

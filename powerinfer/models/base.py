@@ -448,12 +448,7 @@ class Model:
         Per-call Python is kept to a minimum: on a small model it is a large share of a token."""
         a = self.args
         cos, sin = self.rope_cos_sin(pos + 1) if self._attn_shape.rope else (_EMPTY_TABLE, _EMPTY_TABLE)
-        w = layer.decode_weights
-        if w is None:
-            qkv, o = layer.attn.qkv, layer.attn.o
-            w = layer.decode_weights = api.AttentionWeights(
-                layer.attn_norm.weight.numpy(), a.norm_eps, qkv.w_np, qkv.b_np, o.w_np, o.b_np,
-                layer.ffn_norm.weight.numpy())
+        w = self.attention_weights(layer)
         h = getattr(self._decode_bufs, "h", None)
         if h is None:
             h = self._decode_bufs.h = np.empty(a.d_model, dtype=np.float32)
@@ -462,6 +457,17 @@ class Model:
         if layer.ffn.add_one(h, xv):
             return x
         return layer.ffn(torch.from_numpy(h.copy())[None], residual=x)
+
+    def attention_weights(self, layer: Layer) -> api.AttentionWeights:
+        """The fused decode kernels' record of a layer's attention block (built once)."""
+        w = layer.decode_weights
+        if w is None:
+            qkv, o = layer.attn.qkv, layer.attn.o
+            assert layer.ffn_norm is not None and layer.ffn_norm.weight is not None
+            w = layer.decode_weights = api.AttentionWeights(
+                layer.attn_norm.weight.numpy(), self.args.norm_eps, qkv.w_np, qkv.b_np, o.w_np, o.b_np,
+                layer.ffn_norm.weight.numpy())
+        return w
 
     def block(self, i: int, layer: Layer, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         if layer.fused_decode and x.shape[0] == 1 and cache.k_np[i] is not None:
@@ -509,6 +515,15 @@ class Model:
         if not all_logits:
             return self.hidden_to_logits(x[-1:])[0]
         return self.hidden_to_logits(x)
+
+    def decode(self, tokens: list[int], caches: list[KVCache]) -> torch.Tensor:
+        """One decode step for several sequences, token b after caches[b]'s contents: (B,
+        vocab) fp32 logits. Row b equals `forward(tokens[b:b+1], caches[b])` exactly, while
+        each weight is read once for the whole batch where the layer allows it
+        (models/batch.py)."""
+        from .batch import decode_step
+
+        return decode_step(self, tokens, caches)
 
     def num_parameters(self) -> int:
         seen: set[int] = set()

@@ -29,6 +29,12 @@ class FFN(Protocol):
         False (nothing done) when this FFN has none for its current weights or strategy."""
         ...
 
+    def add_batch(self, h: np.ndarray, x: np.ndarray) -> bool:
+        """Batched decode: x[s] += FFN(h[s]) in place for (B, d) fp32 rows, each row exactly
+        as `add_one` computes it, each weight read once; False (nothing done) when this FFN
+        has no such kernel (the caller then runs `add_one` per row)."""
+        ...
+
     def tensors(self) -> list[torch.Tensor]: ...
 
 
@@ -82,6 +88,14 @@ class DenseFFN:
                           0, 0.0, x)
         return True
 
+    def add_batch(self, h: np.ndarray, x: np.ndarray) -> bool:
+        w_in, w_out = self.w_in.w_np, self.w_out.w_np
+        if w_in is None or w_out is None:
+            return False
+        api.dense_ffn_add_batch(h, w_in, self.w_in.b_np, w_out, self.w_out.b_np, self.gated, self._act_id,
+                                self._up_act_id, x)
+        return True
+
     def _hidden_one(self, h: torch.Tensor) -> torch.Tensor:
         if not self.gated:
             cpu.act_inplace(h.numpy(), self._act_id)
@@ -130,6 +144,9 @@ class InstrumentedFFN:
 
     def add_one(self, h: np.ndarray, x: np.ndarray) -> bool:
         return False  # observed and thresholded: always the torch route
+
+    def add_batch(self, h: np.ndarray, x: np.ndarray) -> bool:
+        return False
 
     def tensors(self) -> list[torch.Tensor]:
         return self.ffn.tensors()

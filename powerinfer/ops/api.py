@@ -8,7 +8,7 @@ unless `check=False` (for callers that produced them).
 
 Decoder ops (the end of this module): RMSNorm, the one-call decode attention block and
 dense FFN, which take typed records (`AttentionWeights`) and unpack them at the numba
-boundary. The FFN over a row set of the hybrid engine is `ffn_rows.output`.
+boundary, and their twins for several sequences at once (`*_batch`, ops/batch_decode.py). The FFN over a row set of the hybrid engine is `ffn_rows.output`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import BadArgumentError
-from . import cpu, decode, panels, sparse_cpu, torch_ops
+from . import batch_decode, cpu, decode, panels, sparse_cpu, torch_ops
 from .activations import activation_id
 from .cpu import NO_BIAS, SUPPORTED_DTYPES
 from .criterion import Criterion
@@ -230,3 +230,21 @@ def dense_ffn_add(h: np.ndarray, w_in: np.ndarray, b_in: np.ndarray, w_out: np.n
     """Decode, one token: x += FFN(h) in place, every neuron's rows read (ops/decode.py)."""
     decode.dense_ffn(h, w_in, b_in, w_out, b_out, gated, act_id, up_act_id, criterion, np.float32(threshold), x,
                      panels.threads())
+
+
+# -- several sequences, one decode step each (ops/batch_decode.py) -----------------------------
+def attention_in_batch(w: AttentionWeights, X: np.ndarray, qkv: np.ndarray) -> None:
+    """qkv[s] = Wqkv rms_norm(X[s]) (+ b) for every sequence, each weight row read once."""
+    batch_decode.attention_in(X, w.norm_w, w.eps, w.wqkv, w.bqkv, qkv, panels.threads())
+
+
+def attention_out_batch(w: AttentionWeights, att: np.ndarray, X: np.ndarray, h_out: np.ndarray) -> None:
+    """X[s] += Wo att[s] (+ b) in place, then h_out[s] = rms_norm(X[s]) * ffn_norm_w."""
+    batch_decode.attention_out(att, w.wo, w.bo, X, w.ffn_norm_w, w.eps, h_out, panels.threads())
+
+
+def dense_ffn_add_batch(H: np.ndarray, w_in: np.ndarray, b_in: np.ndarray, w_out: np.ndarray, b_out: np.ndarray,
+                        gated: bool, act_id: int, up_act_id: int, X: np.ndarray) -> None:
+    """X[s] += FFN(H[s]) in place for every sequence, every neuron's rows read once."""
+    batch_decode.dense_ffn(H, w_in, b_in, w_out, b_out, gated, act_id, up_act_id, 0, np.float32(0.0), X,
+                           panels.threads())

@@ -10,10 +10,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import cpu
+from . import batch_decode, cpu
 from .panels import gemv_any, threads
 from .weights import PanelWeight, Weight, weight_for
 
+_NO_ROWS = np.zeros((0, 0), dtype=np.float32)  # no residual, for the batch kernels
 SMALL_BATCH = 4  # tokens up to which a half-weight matmul runs as one numba GEMV per token
 
 
@@ -61,16 +62,26 @@ class Linear:
         kernel = self.w.kernel
         if kernel is not None and (x.shape[0] == 1 or (x.shape[0] <= SMALL_BATCH and self._half)):
             # For a few tokens one GEMV each beats widening half weights to fp32 for a GEMM.
-            T = x.shape[0]
-            out = np.empty((T, self.shape[0]), dtype=np.float32)
-            xs = x.contiguous().numpy()
-            res = None if residual is None else residual.expand(T, -1).contiguous().numpy()
-            nt = threads()
-            for t in range(T):
-                gemv_any(kernel, xs[t], self.b_np, cpu.NO_BIAS if res is None else res[t], out[t], nt)
-            return torch.from_numpy(out)
+            return self.each_row(x, residual)
         y = self.w.matmul(x, self.bias)
         return y if residual is None else y + residual
+
+    def each_row(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """W x + b (+ residual) for x (T, in) on the CPU, each row computed exactly as the
+        one-token GEMV computes it, with the weight read once for all rows (batched decode:
+        a sequence's result does not depend on the batch)."""
+        kernel = self.w.kernel
+        assert kernel is not None, "each_row needs a weight the CPU kernels read"
+        T = x.shape[0]
+        out = np.empty((T, self.shape[0]), dtype=np.float32)
+        xs = x.float().contiguous().numpy()
+        if T == 1:
+            res = cpu.NO_BIAS if residual is None else residual.reshape(-1).contiguous().numpy()
+            gemv_any(kernel, xs[0], self.b_np, res, out[0], threads())
+        else:
+            res = _NO_ROWS if residual is None else residual.expand(T, -1).contiguous().numpy()
+            batch_decode.gemv(kernel, xs, self.b_np, res, out, threads())
+        return torch.from_numpy(out)
 
     def tensors(self) -> list[torch.Tensor]:
         return self.w.tensors() + ([self.bias] if self.bias is not None else [])

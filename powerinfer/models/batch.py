@@ -1,0 +1,89 @@
+"""One decode step for several sequences, each after its own KV cache (a server's batch).
+
+Decode is memory-bound: the step's cost is reading the weights, so B sequences should read
+them once. Llama-shaped layers (those that decode through the fused kernels) run the batch
+kernels of ops/batch_decode.py: norms and QKV for all sequences, attention per sequence over
+its own cache, then the output projection and FFN for all. Every other part runs per
+sequence through the same code as a single token (layers with windows, soft-caps, post-norms
+or q/k norms; the sparse FFNs, which read each sequence's own predicted rows), so those
+parts are not yet batched, but a sequence's result never depends on its batch: row b of
+`decode_step` equals `Model.forward` on that sequence alone, bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import BadArgumentError
+from ..ops import api
+from .base import _EMPTY_TABLE, Layer, Model
+from .cache import KVCache
+
+
+@torch.inference_mode()
+def decode_step(model: Model, tokens: list[int], caches: list[KVCache]) -> torch.Tensor:
+    """Logits (B, vocab) of tokens[b] appended to caches[b], for every b; advances each cache."""
+    B = len(tokens)
+    if B == 0 or len(caches) != B:
+        raise BadArgumentError(f"decode_step needs one cache per token, got {B} tokens and {len(caches)} caches")
+    if len({id(c) for c in caches}) != B:
+        raise BadArgumentError("decode_step: each sequence needs its own cache")
+    for c in caches:
+        if c.length + 1 > c.max_len:
+            raise ValueError(f"cache holds {c.max_len} positions, asked for {c.length + 1}")
+    ids = torch.tensor(tokens, dtype=torch.long)
+    if B == 1:
+        return model.forward(ids, caches[0])[None]
+    pos = [c.length for c in caches]
+    x = torch.cat([model.embed_tokens(ids[b:b + 1], pos[b]) for b in range(B)]).contiguous()
+    for i, layer in enumerate(model.layers):
+        if layer.fused_decode and all(c.k_np[i] is not None for c in caches):
+            _fused_layer(model, i, layer, x, caches, pos)
+        else:
+            for b in range(B):
+                x[b:b + 1] = model.block(i, layer, x[b:b + 1].clone(), caches[b], pos[b])
+    for c, p in zip(caches, pos):
+        c.length = p + 1
+    return _logits(model, x)
+
+
+def _fused_layer(model: Model, i: int, layer: Layer, x: torch.Tensor, caches: list[KVCache], pos: list[int]) -> None:
+    """A Llama-shaped layer for every sequence, x (B, d) updated in place: what
+    `Model._fused_block` does for one token, with each weight read once."""
+    a, shape = model.args, model._attn_shape
+    w = model.attention_weights(layer)
+    B = x.shape[0]
+    xs = x.numpy()
+    qkv = np.empty((B, layer.attn.qkv.out_features), dtype=np.float32)
+    api.attention_in_batch(w, xs, qkv)
+    cos, sin = model.rope_cos_sin(max(pos) + 1) if shape.rope else (_EMPTY_TABLE, _EMPTY_TABLE)
+    att = np.empty((B, a.q_dim), dtype=np.float32)
+    for b in range(B):
+        api.attend_one(qkv[b], shape, pos[b], cos, sin, caches[b].k_np[i], caches[b].v_np[i], att[b])
+    h = np.empty((B, a.d_model), dtype=np.float32)
+    api.attention_out_batch(w, att, xs, h)
+    if layer.ffn.add_batch(h, xs):
+        return
+    for b in range(B):
+        if not layer.ffn.add_one(h[b], xs[b]):
+            x[b:b + 1] = layer.ffn(torch.from_numpy(h[b].copy())[None], residual=x[b:b + 1])
+
+
+def _logits(model: Model, x: torch.Tensor) -> torch.Tensor:
+    """The LM head over the batch: its weight read once when the CPU kernels read it; the
+    norms before it per row, as one token's."""
+    head = model.lm_head
+    if head.w_np is None:  # on the GPU tier: per row, as one token's
+        return torch.cat([model.hidden_to_logits(x[b:b + 1]) for b in range(x.shape[0])])
+    rows = []
+    for b in range(x.shape[0]):
+        h = x[b:b + 1]
+        if model.final_norm is not None:
+            h = model.final_norm(h)
+        if model.project_out is not None:
+            h = model.project_out(h)
+        rows.append(h)
+    logits = head.each_row(torch.cat(rows))
+    cap = model.args.final_softcap
+    return logits if cap is None else torch.tanh(logits / cap) * cap

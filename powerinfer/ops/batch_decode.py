@@ -1,0 +1,224 @@
+"""Decode kernels for several sequences at once: each weight row is read once per step and
+multiplied by every sequence's vector while it is in cache.
+
+Why hand-written: decode is memory-bound, so B sequences cost about what one does only if
+the weights stream past once; torch's GEMM would widen half or quantized weights first and
+round differently. Each kernel here repeats, per sequence, exactly the arithmetic of its
+one-token twin (`cpu.add_matvec`, `panels.add_matvec_panels`, `quant.add_matvec_q`,
+`decode.attention_block`, `decode.dense_ffn`): the same row helpers, row grouping and
+accumulation order. A sequence's logits therefore do not depend on what else is in the
+batch, which is what lets a server batch greedy requests and still return each one's solo
+output (tests/test_batch_decode.py checks equality, not closeness).
+
+Shapes: V, X, H are (B, features) fp32 row-major; weights as the one-token kernels take them.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from .cpu import STREAMS, _act, dot4, row_dot, rms_norm
+from .decode import _gated_value
+from .numba_half import widen
+from .panels import in_features
+from .quant import _small_row_dot, row_dot as quant_row_dot, small_dot4, span_sums
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def add_matvec_rows(w, V, b, X):
+    """X[s] += W V[s] (+ b) for every sequence s, W in rows: `cpu.add_matvec` per sequence."""
+    n = w.shape[0]
+    q = n // STREAMS
+    has_b = b.shape[0] > 0
+    for i in prange(q):
+        for s in range(V.shape[0]):
+            a0, a1, a2, a3 = dot4(w, i, i + q, i + 2 * q, i + 3 * q, V[s])
+            if has_b:
+                a0 += b[i]
+                a1 += b[i + q]
+                a2 += b[i + 2 * q]
+                a3 += b[i + 3 * q]
+            X[s, i] += a0
+            X[s, i + q] += a1
+            X[s, i + 2 * q] += a2
+            X[s, i + 3 * q] += a3
+    for i in range(STREAMS * q, n):
+        for s in range(V.shape[0]):
+            acc = row_dot(w, i, V[s])
+            if has_b:
+                acc += b[i]
+            X[s, i] += acc
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def add_matvec_panels(wp, V, b, X, threads):
+    """X[s] += W V[s] (+ b), W in panels: `panels.add_matvec_panels` per sequence."""
+    nb, n, p = wp.shape
+    for t in prange(threads):
+        lo, hi = t * n // threads, (t + 1) * n // threads
+        h = (hi - lo) // 2
+        for blk in range(nb):
+            off = blk * p
+            for i in range(lo, lo + h):
+                k = i + h
+                for s in range(V.shape[0]):
+                    a0 = np.float32(0.0)
+                    a1 = np.float32(0.0)
+                    for c in range(p):
+                        vc = V[s, off + c]
+                        a0 += widen(wp[blk, i, c]) * vc
+                        a1 += widen(wp[blk, k, c]) * vc
+                    X[s, i] += a0
+                    X[s, k] += a1
+            for i in range(lo + 2 * h, hi):
+                for s in range(V.shape[0]):
+                    acc = np.float32(0.0)
+                    for c in range(p):
+                        acc += widen(wp[blk, i, c]) * V[s, off + c]
+                    X[s, i] += acc
+        if b.shape[0] > 0:
+            for i in range(lo, hi):
+                for s in range(V.shape[0]):
+                    X[s, i] += b[i]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def add_matvec_q(w, V, b, X, threads):
+    """X[s] += W V[s] (+ b), W in GGUF blocks: `quant.add_matvec_q` per sequence."""
+    n, bb = w.shape[0], w.shape[2]
+    B, cols = V.shape
+    if bb == 18 or bb == 20 or bb == 34:
+        xs = np.empty((B, cols // 32), dtype=np.float32)
+        for s in range(B):
+            xs[s] = span_sums(V[s], 32)
+        q = n // 4
+        for i in prange(q):
+            for s in range(B):
+                a0, a1, a2, a3 = small_dot4(w, i, i + q, i + 2 * q, i + 3 * q, V[s], xs[s])
+                X[s, i] += a0
+                X[s, i + q] += a1
+                X[s, i + 2 * q] += a2
+                X[s, i + 3 * q] += a3
+        for i in range(4 * q, n):
+            for s in range(B):
+                X[s, i] += _small_row_dot(w, i, V[s], xs[s])
+    else:
+        xs = np.empty((B, cols // 32), dtype=np.float32)
+        xs16 = np.empty((B, cols // 16), dtype=np.float32)
+        for s in range(B):
+            xs[s] = span_sums(V[s], 32)
+            xs16[s] = span_sums(V[s], 16)
+        scratch = np.empty((threads, cols), dtype=np.float32)
+        for i in prange(n):
+            for s in range(B):
+                X[s, i] += quant_row_dot(w, i, V[s], xs[s], xs16[s], scratch[numba.get_thread_id()])
+    if b.shape[0] > 0:
+        for k in range(n):
+            for s in range(B):
+                X[s, k] += b[k]
+
+
+def matvec_into(w, V, b, X, threads):  # pragma: no cover - only its numba overload runs
+    """X += W V^T row by row, any weight layout (the batch twin of panels.matvec_into)."""
+    raise NotImplementedError("matvec_into() is for numba kernels")
+
+
+@overload(matvec_into)
+def _matvec_into(w, V, b, X, threads):
+    if w.ndim == 3 and w.dtype == types.uint8:
+        return lambda w, V, b, X, threads: add_matvec_q(w, V, b, X, threads)
+    if w.ndim == 3:
+        return lambda w, V, b, X, threads: add_matvec_panels(w, V, b, X, threads)
+    return lambda w, V, b, X, threads: add_matvec_rows(w, V, b, X)
+
+
+@njit(fastmath=True, cache=True)
+def gemv(w, V, bias, residual, out, threads):
+    """out[s] = W V[s] (+ bias) (+ residual[s]) for every s: `panels.gemv_any` per sequence.
+    Empty `bias`/`residual` mean none."""
+    if residual.shape[0] > 0:
+        out[:] = residual
+    else:
+        out[:] = 0.0
+    matvec_into(w, V, bias, out, threads)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _gated_hidden_rows(H, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden):
+    """`decode._gated_hidden` per sequence: neurons i and i + n_ff/2 per step."""
+    q = n_ff // 2
+    for i in prange(q):
+        k = i + q
+        for s in range(H.shape[0]):
+            g0, u0, g1, u1 = dot4(w_in, i, n_ff + i, k, n_ff + k, H[s])
+            hidden[s, i] = _gated_value(g0, u0, i, n_ff, b_in, act_id, up_act_id, criterion, threshold)
+            hidden[s, k] = _gated_value(g1, u1, k, n_ff, b_in, act_id, up_act_id, criterion, threshold)
+    for i in range(2 * q, n_ff):
+        for s in range(H.shape[0]):
+            hidden[s, i] = _gated_value(row_dot(w_in, i, H[s]), row_dot(w_in, n_ff + i, H[s]), i, n_ff, b_in, act_id,
+                                        up_act_id, criterion, threshold)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _gated_hidden_pre(H, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):
+    """Panels and GGUF blocks: every gate and up dot first, then the neurons' values (as
+    `decode._gated_hidden_panels` / `_gated_hidden_quant`)."""
+    pre = np.zeros((H.shape[0], 2 * n_ff), dtype=np.float32)
+    matvec_into(w_in, H, np.zeros(0, dtype=np.float32), pre, threads)
+    for i in prange(n_ff):
+        for s in range(H.shape[0]):
+            hidden[s, i] = _gated_value(pre[s, i], pre[s, n_ff + i], i, n_ff, b_in, act_id, up_act_id, criterion,
+                                        threshold)
+
+
+def gated_hidden(H, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):  # pragma: no cover
+    raise NotImplementedError("gated_hidden() is for numba kernels")
+
+
+@overload(gated_hidden)
+def _gated_hidden_any(H, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):
+    if w_in.ndim == 3:
+        return lambda H, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads: (
+            _gated_hidden_pre(H, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads))
+    return lambda H, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads: _gated_hidden_rows(
+        H, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden)
+
+
+@njit(fastmath=True, cache=True)
+def dense_ffn(H, w_in, b_in, w_out, b_out, gated, act_id, up_act_id, criterion, threshold, X, threads):
+    """X[s] += FFN(H[s]) in place for every sequence: `decode.dense_ffn` per sequence."""
+    B = H.shape[0]
+    n_ff = in_features(w_out)
+    hidden = np.empty((B, n_ff), dtype=np.float32)
+    if gated:
+        gated_hidden(H, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads)
+    else:
+        hidden[:] = 0.0
+        matvec_into(w_in, H, b_in, hidden, threads)
+        for s in range(B):
+            for i in range(n_ff):
+                v = _act(hidden[s, i], act_id)
+                hidden[s, i] = np.float32(0.0) if criterion != 0 and abs(v) <= threshold else v
+    matvec_into(w_out, hidden, b_out, X, threads)
+
+
+@njit(fastmath=True, cache=True)
+def attention_in(X, norm_w, eps, wqkv, bqkv, QKV, threads):
+    """QKV[s] = Wqkv rms_norm(X[s]) (+ b): the first part of `decode.attention_block`."""
+    H = np.empty_like(X)
+    for s in range(X.shape[0]):
+        rms_norm(X[s], norm_w, eps, H[s])
+    QKV[:] = 0.0
+    matvec_into(wqkv, H, bqkv, QKV, threads)
+
+
+@njit(fastmath=True, cache=True)
+def attention_out(ATT, wo, bo, X, ffn_norm_w, eps, H_out, threads):
+    """X[s] += Wo ATT[s] (+ b), then H_out[s] = rms_norm(X[s]) * ffn_norm_w: the end of
+    `decode.attention_block`."""
+    matvec_into(wo, ATT, bo, X, threads)
+    for s in range(X.shape[0]):
+        rms_norm(X[s], ffn_norm_w, eps, H_out[s])

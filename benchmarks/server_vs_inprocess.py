@@ -1,7 +1,8 @@
 """Server vs in-process: time to first token and decode tok/s for one client, and aggregate
-throughput with 1, 4 and 8 concurrent streaming clients (embedded SmolLM2 by default).
+throughput with 1, 2, 4 and 8 concurrent streaming clients, with each client's p50/p95
+inter-token gap (embedded SmolLM2 by default, its own Q4_1 weights in both paths).
 
-    python benchmarks/server_vs_inprocess.py [--model PATH] [--tokens 64] [--concurrency 2]
+    python benchmarks/server_vs_inprocess.py [--model PATH] [--tokens 64] [--max-batch 8]
 """
 
 from __future__ import annotations
@@ -30,46 +31,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stream_once(client, prompt: str, tokens: int) -> tuple[float, float, int]:
+def stream_once(client, prompt: str, tokens: int) -> tuple[float, float, int, list[float]]:
+    """(time to first text, first to last text, text chunks, gaps between chunks) of one
+    streamed greedy completion."""
     t0 = time.perf_counter()
-    first, last, chunks = None, None, 0
+    times = []
     for ch in client.completions.create(model="m", prompt=prompt, max_tokens=tokens, temperature=0, stream=True):
         if ch.choices and ch.choices[0].text:
-            now = time.perf_counter()
-            first = first or now
-            last = now
-            chunks += 1
-    return first - t0, last - first, chunks
+            times.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    if not times:  # the model ended at once
+        return float("nan"), 0.0, 0, []
+    return times[0] - t0, times[-1] - times[0], len(times), gaps
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=2, help="server --max-concurrency")
+    ap.add_argument("--max-batch", type=int, default=8, help="server --max-batch")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     from openai import OpenAI
 
-    lm = powerinfer.load(args.model, threads=args.threads)
-    prompt = PROMPTS[0]
-    list(powerinfer.stream_generate(lm, prompt, 8, temperature=0))  # warm-up
-    ttft, decode = [], []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        first = None
-        for r in powerinfer.stream_generate(lm, prompt, args.tokens, temperature=0):
-            first = first or time.perf_counter()
-        ttft.append(first - t0)
-        decode.append(r.generation_tps)
     port = free_port()
     cmd = [sys.executable, "-m", "powerinfer.cli", "serve", "--port", str(port), "--model-name", "m", "-t",
-           str(args.threads), "--max-concurrency", str(args.concurrency), "--queue-size", "16"]
+           str(args.threads), "--max-batch", str(args.max_batch), "--queue-size", "16"]
     if args.model:
         cmd += ["-m", args.model]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
+        lm = powerinfer.load(args.model, dtype="native", threads=args.threads)  # as the server loads it
+        prompt = PROMPTS[0]
+        list(powerinfer.stream_generate(lm, prompt, 8, temperature=0))  # warm-up
         for _ in range(240):
             try:
                 if httpx.get(base + "/health", timeout=1).status_code == 200:
@@ -78,23 +78,32 @@ def main() -> None:
                 time.sleep(0.5)
         client = OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=600)
         stream_once(client, prompt, 8)  # warm-up (numba compile in the server process)
-        runs = [stream_once(client, prompt, args.tokens) for _ in range(3)]
+        ttft, decode, runs = [], [], []
+        for _ in range(3):  # alternating: in-process, then the server (idle meanwhile)
+            t0 = time.perf_counter()
+            first = None
+            for r in powerinfer.stream_generate(lm, prompt, args.tokens, temperature=0):
+                first = first or time.perf_counter()
+            ttft.append(first - t0)
+            decode.append(r.generation_tps)
+            runs.append(stream_once(client, prompt, args.tokens))
         s_ttft = statistics.median(r[0] for r in runs)
-        tokens = client.completions.create(model="m", prompt=prompt, max_tokens=args.tokens, temperature=0).usage
-        s_decode = statistics.median((tokens.completion_tokens - 1) / r[1] for r in runs)
+        s_decode = statistics.median((r[2] - 1) / r[1] for r in runs)
         print(f"\nmodel {args.model or 'embedded SmolLM2-135M'}; {args.tokens} greedy tokens; threads {args.threads}; "
-              f"server --max-concurrency {args.concurrency}\n")
+              f"server --max-batch {args.max_batch}\n")
         print("| path | TTFT ms | decode tok/s |\n|---|---|---|")
         print(f"| in-process stream_generate | {statistics.median(ttft) * 1e3:.0f} | {statistics.median(decode):.1f} |")
         print(f"| server, 1 streaming client | {s_ttft * 1e3:.0f} | {s_decode:.1f} |")
-        print("\n| concurrent clients | aggregate completion tok/s | wall s |\n|---|---|---|")
-        for n in (1, 4, 8):
-            counts = [0] * n
+        print(f"\nserver / in-process decode: {s_decode / statistics.median(decode):.2f}x; TTFT difference "
+              f"{(s_ttft - statistics.median(ttft)) * 1e3:+.0f} ms")
+        print("\n| concurrent clients | aggregate tok/s | vs 1 client | p50 gap ms | p95 gap ms | wall s |\n"
+              "|---|---|---|---|---|---|")
+        one = None
+        for n in (1, 2, 4, 8):
+            results = [None] * n
 
             def run(i):
-                r = client.completions.create(model="m", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=args.tokens,
-                                              temperature=0)
-                counts[i] = r.usage.completion_tokens
+                results[i] = stream_once(client, PROMPTS[i % len(PROMPTS)], args.tokens)
 
             t0 = time.perf_counter()
             threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
@@ -103,7 +112,11 @@ def main() -> None:
             for t in threads:
                 t.join()
             wall = time.perf_counter() - t0
-            print(f"| {n} | {sum(counts) / wall:.1f} | {wall:.1f} |")
+            total = sum(r[2] for r in results) / wall
+            one = one or total
+            gaps = [g for r in results for g in r[3]]
+            print(f"| {n} | {total:.1f} | {total / one:.2f}x | {percentile(gaps, 0.5) * 1e3:.0f} | "
+                  f"{percentile(gaps, 0.95) * 1e3:.0f} | {wall:.1f} |")
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -1,11 +1,11 @@
-"""OpenAI-compatible HTTP server (FastAPI + uvicorn) over `stream_generate`.
+"""OpenAI-compatible HTTP server (FastAPI + uvicorn) over the batch engine.
 
-Concurrency scheme: every request gets its own KV cache and sampler (nothing is shared
-between requests but the read-only weights). Generations run in worker threads, at most
-`max_concurrency` at once; further requests wait in a bounded queue, and a full queue
-answers 429. Tokens travel from the worker thread to the response through an asyncio
-queue; when a streaming client disconnects, the response sets the request's cancel flag,
-the worker stops at its next token and its slot is freed.
+Concurrency scheme: one engine thread (engine/batch.py) owns the model and runs every
+generation, up to `max_batch` sequences decoded together per step, each with its own KV
+cache, sampler and seed; further requests wait in a bounded queue, and a full queue answers
+429. Tokens travel from the engine thread to the response through an asyncio queue; when a
+client disconnects, the response sets the request's cancel flag and the engine drops the
+sequence at its next step boundary.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine.generate import stream_generate
+from .engine.batch import BatchEngine
 from .engine.sample import SamplingParams
 from .errors import PowerInferError
 from .loader import LoadedModel
@@ -134,18 +134,22 @@ def chat_messages(messages: object) -> list[dict[str, str]]:
 
 
 class Server:
-    """The engine behind the API: admission (slots + queue) and generation threads."""
+    """The engine behind the API: admission (batch + queue) and the batch engine."""
 
-    def __init__(self, lm: LoadedModel, model_name: str, max_concurrency: int = 1, queue_size: int = 16,
-                 api_key: str | None = None):
+    def __init__(self, lm: LoadedModel, model_name: str, max_batch: int = 8, queue_size: int = 16,
+                 api_key: str | None = None, prefill_chunk: int | None = None):
         if lm.tokenizer is None:
             raise PowerInferError(f"{lm.path}: the model has no tokenizer; it cannot be served")
         self.lm, self.model_name, self.api_key = lm, model_name, api_key
-        self.max_concurrency, self.queue_size = max_concurrency, queue_size
-        self.slots = threading.Semaphore(max_concurrency)
+        self.max_batch, self.queue_size = max_batch, queue_size
+        extra = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
+        self.engine = BatchEngine(lm.model, lm.tokenizer, max_batch, **extra)
         self.lock = threading.Lock()
         self.admitted = 0  # running + waiting
-        self.active = 0
+
+    @property
+    def active(self) -> int:
+        return self.engine.active
 
     # -- request parsing ---------------------------------------------------------------------
     def parse(self, body: Any, chat: bool) -> tuple[Request, bool]:
@@ -230,7 +234,7 @@ class Server:
     # -- admission and generation ------------------------------------------------------------
     def admit(self) -> None:
         with self.lock:
-            if self.admitted >= self.max_concurrency + self.queue_size:
+            if self.admitted >= self.max_batch + self.queue_size:
                 raise APIError(429, "the server is busy (queue full); retry later", "rate_limit_error",
                                "queue_full")
             self.admitted += 1
@@ -240,34 +244,26 @@ class Server:
             self.admitted -= 1
 
     def launch(self, req: Request) -> asyncio.Queue:
-        """Start the request's generation thread (it waits for a slot); its results arrive on
-        the returned queue as (text, finish_reason, n_tokens), an Exception, then None."""
+        """Hand the request to the engine; its results arrive on the returned queue as (text,
+        finish_reason, n_tokens), an Exception, then None."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
-        def worker() -> None:
-            try:
-                with self.slots:
-                    with self.lock:
-                        self.active += 1
-                    try:
-                        for r in stream_generate(self.lm.model, self.lm.tokenizer, req.prompt_ids, req.max_tokens,
-                                                 req.sampling, req.stop):
-                            if req.cancel.is_set():
-                                break
-                            loop.call_soon_threadsafe(queue.put_nowait, (r.text, r.finish_reason, r.generation_tokens))
-                            if r.finish_reason:
-                                break
-                    finally:
-                        with self.lock:
-                            self.active -= 1
-            except Exception as e:  # reported to the client as a 500, never a traceback
-                loop.call_soon_threadsafe(queue.put_nowait, e)
-            finally:
+        def emit(item) -> None:  # on the engine thread
+            if item is None:
                 self.release()
-                loop.call_soon_threadsafe(queue.put_nowait, None)
+            elif not isinstance(item, Exception):
+                item = (item.text, item.finish_reason, item.generation_tokens)
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the event loop has closed (shutdown): nobody is listening
+                pass
 
-        threading.Thread(target=worker, daemon=True).start()
+        try:
+            self.engine.submit(req.prompt_ids, req.max_tokens, req.sampling, req.stop, emit, req.cancel)
+        except Exception:
+            self.release()
+            raise
         return queue
 
     @staticmethod

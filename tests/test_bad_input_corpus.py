@@ -406,7 +406,7 @@ def test_flag_corpus(corpus):
         ["profile", "--report", str(corpus / "user")], ["train", "-m", hf, "--budget", "0"],
         ["pack", "-m", hf, "--profile", str(corpus / "user"), "-o", str(corpus / "out-x")],
         ["pack", "-m", hf, "--profile", str(corpus / "profile"), "--dtype", "q3", "-o", str(corpus / "out-y")],
-        ["serve", "--port", "abc"], ["serve", "-m", hf, "--port", "70000"], ["serve", "-m", hf, "--max-concurrency", "0"],
+        ["serve", "--port", "abc"], ["serve", "-m", hf, "--port", "70000"], ["serve", "-m", hf, "--max-batch", "0"],
         ["hardware", "--show", "no-such-profile"], ["bench", "ops", "--repeats", "0"], ["bench", "nothing"],
         ["chat", "-m", hf, "--top-p", "nan"],
     ]

@@ -59,7 +59,7 @@ def stop_server(proc):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    proc, base = start_server(model_dir, "--max-concurrency", "2", "--queue-size", "8")
+    proc, base = start_server(model_dir, "--max-batch", "4", "--queue-size", "8")
     try:
         yield base
     finally:
@@ -109,13 +109,19 @@ def test_completions_and_chat_equal_powerinfer_generate(server, model_dir):
 
 
 def test_eight_concurrent_streams_get_their_solo_text(server):
+    """Different prompts and lengths, joining at different times and leaving as they finish,
+    decoded in batches of up to 4 (the rest queued): each equals its solo output."""
     c = client(server)
     prompts = [f"Story number {i}: once upon a time" for i in range(8)]
-    solo = [c.completions.create(model=NAME, prompt=p, max_tokens=20, temperature=0).choices[0].text for p in prompts]
+    lengths = [20, 5, 33, 12, 27, 8, 16, 40]
+    solo = [c.completions.create(model=NAME, prompt=p, max_tokens=n, temperature=0).choices[0].text
+            for p, n in zip(prompts, lengths)]
     results = [None] * 8
 
     def run(i):
-        stream = c.completions.create(model=NAME, prompt=prompts[i], max_tokens=20, temperature=0, stream=True)
+        time.sleep(0.15 * (i % 4))
+        stream = c.completions.create(model=NAME, prompt=prompts[i], max_tokens=lengths[i], temperature=0,
+                                      stream=True)
         results[i] = "".join(ch.choices[0].text for ch in stream)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
@@ -124,6 +130,27 @@ def test_eight_concurrent_streams_get_their_solo_text(server):
     for t in threads:
         t.join(timeout=120)
     assert results == solo
+    wait_idle(server)
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(server):
+    c = client(server)
+    body = dict(model=NAME, prompt="Tell me something", max_tokens=24, temperature=0.9, seed=99)
+    alone = c.completions.create(**body).choices[0].text
+    results = {}
+
+    def run(i):
+        if i == 0:
+            results[i] = c.completions.create(**body).choices[0].text
+        else:
+            c.completions.create(model=NAME, prompt=f"Other {i}", max_tokens=30, temperature=1.0, seed=i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (1, 2, 0, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert results[0] == alone
     wait_idle(server)
 
 
@@ -265,7 +292,7 @@ def long_prompt(base) -> str:
 
 
 def test_full_queue_answers_429(model_dir):
-    proc, base = start_server(model_dir, "--max-concurrency", "1", "--queue-size", "0")
+    proc, base = start_server(model_dir, "--max-batch", "1", "--queue-size", "0")
     try:
         body = {"model": NAME, "prompt": long_prompt(base), "max_tokens": 600, "temperature": 0}
         responses = [None] * 4

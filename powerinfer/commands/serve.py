@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 
+from ..engine.batch import PREFILL_CHUNK
 from ..errors import BadArgumentError
 from ..paths import looks_like_hub_id
 from .common import add_engine_arguments, add_model_arguments, load_from_args
@@ -17,7 +18,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-concurrency", type=int, default=1, help="generations running at once (default 1)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="sequences decoded together per step (default: what the memory for their KV caches allows, "
+                        "at most 8)")
+    p.add_argument("--max-concurrency", type=int, default=None, dest="max_concurrency", help=argparse.SUPPRESS)
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+                   help=f"prompt tokens per engine step: a long prompt delays the others' next token by one chunk "
+                        f"(default {PREFILL_CHUNK})")
     p.add_argument("--queue-size", type=int, default=16, help="requests waiting beyond those (default 16); then 429")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--model-name", default=None, help="model id clients use (default: the file or directory name)")
@@ -29,17 +36,36 @@ def run(args: argparse.Namespace) -> int:
     from ..engine.generate import warm_up
     from ..server import Server, create_app
 
-    if args.max_concurrency < 1 or args.queue_size < 0 or not 0 < args.port < 65536:
-        raise BadArgumentError("need --max-concurrency >= 1, --queue-size >= 0 and a port in 1..65535")
+    if args.max_concurrency is not None:  # the name before batching; same meaning for a client
+        print("note: --max-concurrency is now --max-batch", file=sys.stderr)
+        args.max_batch = args.max_batch or args.max_concurrency
+    if (args.max_batch is not None and args.max_batch < 1) or args.queue_size < 0 or args.prefill_chunk < 1 \
+            or not 0 < args.port < 65536:
+        raise BadArgumentError("need --max-batch >= 1, --queue-size >= 0, --prefill-chunk >= 1 and a port in 1..65535")
     sock = bind_socket(args.host, args.port)  # before loading: a busy port fails in a second, not after
     lm = load_from_args(args)
+    max_batch = args.max_batch or default_max_batch(lm.model)
     warm_up(lm.model)  # so that the first request does not pay for loading the kernels
     name = args.model_name or (args.model if args.model and looks_like_hub_id(args.model)  # org/name, as asked
                                else os.path.basename(lm.path.rstrip("/")))
-    server = Server(lm, name, args.max_concurrency, args.queue_size, args.api_key)
-    print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    server = Server(lm, name, max_batch, args.queue_size, args.api_key, args.prefill_chunk)
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 (batch of up to {max_batch})", file=sys.stderr,
+          flush=True)
     uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning")).run(sockets=[sock])
     return 0
+
+
+MAX_DEFAULT_BATCH = 8  # beyond it a 2-16 core machine gains little (docs/BENCHMARKS.md, "serving")
+
+
+def default_max_batch(model) -> int:
+    """As many sequences as half the available memory holds KV caches of the full context
+    for, between 1 and MAX_DEFAULT_BATCH."""
+    from ..engine.packed import available_ram
+
+    a = model.args
+    per_sequence = 2 * a.n_layers * a.n_kv_heads * a.head_dim * 4 * a.max_seq_len  # fp32 keys and values
+    return max(1, min(MAX_DEFAULT_BATCH, available_ram() // 2 // max(per_sequence, 1)))
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

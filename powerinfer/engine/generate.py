@@ -94,6 +94,44 @@ def check_context(model: Model, prompt_len: int, max_tokens: int) -> int:
     return min(max_tokens, limit - prompt_len)
 
 
+class TextStream:
+    """One generation's text side, token by token: detokenisation, stop strings, EOS, token
+    counts and speeds. `stream_generate` and the server's batch engine both use it, so a
+    completion's text and finish reason do not depend on which loop produced its tokens."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_tokens: int, stop: list[str] | None = None):
+        self.detok = StreamingDetokenizer(tokenizer)
+        self.stops = StopMatcher(stop or [])
+        self.eos = set(tokenizer.eos_token_ids)
+        self.prompt_tokens = prompt_tokens
+        self.t_start = time.perf_counter()
+        self.t_first = self.t_start
+        self.prompt_tps = 0.0
+        self.n = 0  # tokens generated (EOS not counted)
+
+    def response(self, text: str, token: int | None, finish: str | None) -> GenerationResponse:
+        decode_s = time.perf_counter() - self.t_first
+        tps = (self.n - 1) / decode_s if self.n > 1 and decode_s > 0 else 0.0
+        return GenerationResponse(text, token, finish, self.prompt_tokens, self.n, self.prompt_tps, tps)
+
+    def add(self, token: int) -> GenerationResponse:
+        """The text `token` completes; finish_reason "stop" at EOS or a stop string."""
+        if self.n == 0 and self.t_first == self.t_start:
+            self.t_first = time.perf_counter()
+            self.prompt_tps = self.prompt_tokens / max(self.t_first - self.t_start, 1e-9)
+        if token in self.eos:
+            return self.response(self.stops.flush(), token, "stop")
+        self.n += 1
+        text, stopped = self.stops.feed(self.detok.add(token))
+        return self.response(text, token, "stop" if stopped else None)
+
+    def end(self) -> GenerationResponse:
+        """The last response when the token budget is spent: the text held back, "length"
+        (or "stop" when that text completes a stop string)."""
+        text, stopped = self.stops.feed(self.detok.flush())
+        return self.response(text if stopped else text + self.stops.flush(), None, "stop" if stopped else "length")
+
+
 def stream_generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int = 256,
                     sampling: SamplingParams | None = None, stop: list[str] | None = None,
                     add_special_tokens: bool = True) -> Iterator[GenerationResponse]:
@@ -103,37 +141,16 @@ def stream_generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int],
         raise BadArgumentError("the prompt is empty")
     max_tokens = check_context(model, len(ids), max_tokens)
     sampler = Sampler(sampling or SamplingParams())
-    detok = StreamingDetokenizer(tokenizer)
-    stops = StopMatcher(stop or [])
-    eos = set(tokenizer.eos_token_ids)
-    t_start = time.perf_counter()
-    t_first = t_start
-    prompt_tps = 0.0
-    n = 0
-
-    def response(text: str, token: int | None, finish: str | None) -> GenerationResponse:
-        decode_s = time.perf_counter() - t_first
-        tps = (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0
-        return GenerationResponse(text, token, finish, len(ids), n, prompt_tps, tps)
-
+    stream = TextStream(tokenizer, len(ids), stop)
     if max_tokens == 0:
-        yield response("", None, "length")
+        yield stream.end()
         return
     for token in generate_step(model, ids, sampler, max_tokens):
-        if n == 0:
-            t_first = time.perf_counter()
-            prompt_tps = len(ids) / max(t_first - t_start, 1e-9)
-        if token in eos:
-            yield response(stops.flush(), token, "stop")
+        r = stream.add(token)
+        yield r
+        if r.finish_reason:
             return
-        n += 1
-        text, stopped = stops.feed(detok.add(token))
-        if stopped:
-            yield response(text, token, "stop")
-            return
-        yield response(text, token, None)
-    text, stopped = stops.feed(detok.flush())
-    yield response(text if stopped else text + stops.flush(), None, "length" if not stopped else "stop")
+    yield stream.end()
 
 
 def generate(model: Model, tokenizer: Tokenizer, prompt: str | list[int], max_tokens: int = 256,

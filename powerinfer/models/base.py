@@ -518,9 +518,9 @@ class Model:
 
     def decode(self, tokens: list[int], caches: list[KVCache]) -> torch.Tensor:
         """One decode step for several sequences, token b after caches[b]'s contents: (B,
-        vocab) fp32 logits. Row b equals `forward(tokens[b:b+1], caches[b])` exactly, while
-        each weight is read once for the whole batch where the layer allows it
-        (models/batch.py)."""
+        vocab) fp32 logits. Row b equals `forward(tokens[b:b+1], caches[b])` (exactly for float
+        weights, to rounding for GGUF blocks), while each weight is read once for the whole
+        batch where the layer allows it (models/batch.py)."""
         from .batch import decode_step
 
         return decode_step(self, tokens, caches)

@@ -6,8 +6,9 @@ kernels of ops/batch_decode.py: norms and QKV for all sequences, attention per s
 its own cache, then the output projection and FFN for all. Every other part runs per
 sequence through the same code as a single token (layers with windows, soft-caps, post-norms
 or q/k norms; the sparse FFNs, which read each sequence's own predicted rows), so those
-parts are not yet batched, but a sequence's result never depends on its batch: row b of
-`decode_step` equals `Model.forward` on that sequence alone, bit for bit.
+parts are not yet batched. A sequence's result does not depend on its batch: row b of
+`decode_step` equals `Model.forward` on that sequence alone, bit for bit for float weights
+and to float rounding for GGUF blocks (ops/batch_decode.py says why).
 """
 
 from __future__ import annotations

@@ -1,0 +1,193 @@
+"""The serving loop: one engine thread owns the model and runs every request's generation,
+decoding all active sequences together in one batched step.
+
+Each step: admit waiting requests up to `max_batch`; run one prefill chunk (at most
+`prefill_chunk` prompt tokens, so a long prompt delays the others' next token by one chunk,
+not by its whole prefill); then one decode step for every sequence that has a token to
+feed (`models/batch.decode_step`, each weight read once for the batch). Finished and
+cancelled sequences leave at the step boundary. Each sequence has its own KV cache, sampler
+(and seed) and text stream, and decode_step's rows equal single-token decoding, so a
+request's output does not depend on what else runs with it.
+
+Results reach the caller through the request's `emit` callback, called on the engine thread:
+a `GenerationResponse` per token (finish_reason set on the last), an Exception if the
+generation failed, then None.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numba
+import torch
+
+from ..errors import NonFiniteError
+from ..models.base import Model
+from ..models.batch import decode_step
+from ..models.cache import KVCache
+from ..tokenizer import Tokenizer
+from .generate import GenerationResponse, TextStream, check_context
+from .sample import Sampler, SamplingParams
+
+PREFILL_CHUNK = 128  # prompt tokens per step: bounds how long one prompt stalls the others' decode
+
+Emit = Callable[[GenerationResponse | Exception | None], None]
+
+
+@dataclass
+class Sequence:
+    """One request inside the engine."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampler: Sampler
+    text: TextStream
+    emit: Emit
+    cancel: threading.Event = field(default_factory=threading.Event)
+    cache: KVCache | None = None
+    prefilled: int = 0  # prompt tokens in the cache
+    generated: int = 0  # tokens sampled
+    pending: int | None = None  # the last sampled token, fed at the next decode step
+    seen: torch.Tensor | None = None  # prompt + sampled ids (repetition penalty)
+
+
+class BatchEngine:
+    """Runs generations on one thread, batching their decode steps. `submit` from any thread."""
+
+    def __init__(self, model: Model, tokenizer: Tokenizer, max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK,
+                 threads: int | None = None):
+        if max_batch < 1 or prefill_chunk < 1:
+            raise ValueError("max_batch and prefill_chunk must be >= 1")
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.threads = threads or numba.get_num_threads()  # numba's count is per thread: carried over
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._active: list[Sequence] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self.steps = 0  # decode steps run (for tests and statistics)
+        self.batch_tokens = 0  # tokens those steps decoded
+        self._thread = threading.Thread(target=self._run, name="powerinfer-engine", daemon=True)
+        self._thread.start()
+
+    # -- from any thread --------------------------------------------------------------------
+    def submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stop: list[str] | None,
+               emit: Emit, cancel: threading.Event | None = None) -> Sequence:
+        """Queue a generation of up to `max_tokens` after `prompt` (the caller checked that it
+        fits the context); set `cancel` to stop it at the next step."""
+        max_tokens = check_context(self.model, len(prompt), max_tokens)
+        seq = Sequence(list(prompt), max_tokens, Sampler(sampling), TextStream(self.tokenizer, len(prompt), stop), emit,
+                       cancel or threading.Event())
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._waiting.append(seq)
+            self._cv.notify()
+        return seq
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def close(self) -> None:
+        """Stop the loop after its current step; unfinished requests get None."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    # -- the engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
+        while True:
+            with self._cv:
+                while not self._closed and not self._waiting and not self._active:
+                    self._cv.wait()
+                if self._closed:
+                    for seq in [*self._active, *self._waiting]:
+                        self._finish(seq)
+                    return
+                while self._waiting and len(self._active) < self.max_batch:
+                    self._active.append(self._waiting.popleft())
+            try:
+                self._step()
+            except Exception as e:  # a failed step fails the sequences in it, never the loop
+                for seq in list(self._active):
+                    self._finish(seq, e)
+
+    def _step(self) -> None:
+        for seq in [s for s in self._active if s.cancel.is_set()]:
+            self._finish(seq)
+        budget = self.prefill_chunk
+        for seq in [s for s in self._active if s.prefilled < len(s.prompt)]:
+            if budget == 0:
+                break
+            budget -= self._prefill(seq, budget)
+        ready = [s for s in self._active if s.pending is not None]
+        if ready:
+            logits = decode_step(self.model, [s.pending for s in ready], [s.cache for s in ready])
+            self.steps += 1
+            self.batch_tokens += len(ready)
+            for seq, row in zip(ready, logits):
+                self._sample(seq, row)
+
+    def _prefill(self, seq: Sequence, budget: int) -> int:
+        """Run up to `budget` more prompt tokens of `seq`; sample its first token when the
+        prompt is done. Returns the tokens run."""
+        if seq.cache is None:
+            seq.cache = self.model.new_cache(len(seq.prompt) + seq.max_tokens)
+            seq.seen = torch.empty(len(seq.prompt) + seq.max_tokens, dtype=torch.long)
+            seq.seen[: len(seq.prompt)] = torch.tensor(seq.prompt)
+        if seq.max_tokens == 0:
+            seq.prefilled = len(seq.prompt)
+            self._finish(seq, seq.text.end())
+            return 0
+        start = seq.prefilled
+        chunk = seq.prompt[start:start + budget]
+        logits = self.model.forward(torch.tensor(chunk, dtype=torch.long), seq.cache)
+        seq.prefilled += len(chunk)
+        if seq.prefilled == len(seq.prompt):
+            self._sample(seq, logits)
+        return len(chunk)
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Sample the next token from `logits`, hand its text to the caller, and either queue
+        it for the next decode step or end the sequence."""
+        if not torch.isfinite(logits).all():
+            self._finish(seq, NonFiniteError(f"the model's output became NaN or Inf at token {seq.generated} of the "
+                                             "generation (corrupt weights, or activations overflowing the weights' "
+                                             "dtype)"))
+            return
+        assert seq.seen is not None
+        n_seen = len(seq.prompt) + seq.generated
+        token = seq.sampler(logits, seq.seen[:n_seen])
+        seq.seen[n_seen] = token
+        seq.generated += 1
+        r = seq.text.add(token)
+        if r.finish_reason:
+            self._finish(seq, r)
+        elif seq.generated == seq.max_tokens:
+            seq.emit(r)
+            self._finish(seq, seq.text.end())
+        else:
+            seq.emit(r)
+            seq.pending = token
+
+    def _finish(self, seq: Sequence, last: GenerationResponse | Exception | None = None) -> None:
+        """Take `seq` out of the engine; its last result (if any), then None, to the caller."""
+        if seq in self._active:
+            self._active.remove(seq)
+        seq.pending = None
+        seq.cache = None  # its memory goes back at once, not when the caller lets go
+        try:
+            if last is not None:
+                seq.emit(last)
+        finally:
+            seq.emit(None)

@@ -1,0 +1,285 @@
+"""Batched decode (models/batch.py, ops/batch_decode.py) and the engine loop that serves with
+it (engine/batch.py): a sequence's result equals its solo result exactly (not closely),
+whatever else is in the batch, for every weight format and family; the loop admits, chunks
+prefill, cancels and samples per sequence."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numba
+import numpy as np
+import pytest
+import torch
+from test_quant import quantized
+
+import powerinfer
+from powerinfer.engine.batch import BatchEngine
+from powerinfer.engine.generate import prefill, stream_generate
+from powerinfer.engine.sample import SamplingParams
+from powerinfer.ops import batch_decode, cpu, decode, panels
+from powerinfer.ops.activations import activation_id
+from powerinfer.ops.linear import Linear
+from tiny_models import build_tiny
+
+WEIGHTS = ["fp32", "bf16", "fp16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def weight(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    if kind in ("fp32", "bf16", "fp16"):
+        g = torch.Generator().manual_seed(seed)
+        dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[kind]
+        return (torch.randn(rows, cols, generator=g) / cols**0.5).to(dt)
+    return quantized(rows, cols, kind, seed)
+
+
+def vectors(B: int, n: int, seed: int) -> torch.Tensor:
+    return torch.randn(B, n, generator=torch.Generator().manual_seed(seed))
+
+
+def bitwise(kind: str) -> bool:
+    """Whether a batch's rows equal the one-vector kernel's bit for bit. For GGUF blocks they
+    equal it to float rounding: from `widen_from` vectors on the batch kernel widens rows (other
+    rounding), and below it the block dots it shares with the one-vector kernel are called, not
+    inlined, so a cached and a freshly compiled kernel may round one step differently."""
+    return kind in ("fp32", "bf16", "fp16")
+
+
+def assert_same(batch: torch.Tensor, solo: torch.Tensor, exact: bool) -> None:
+    if exact:
+        assert torch.equal(batch, solo), (batch - solo).abs().max()
+    else:
+        scale = float(solo.abs().max())  # random K-quant blocks give outputs of 1e4: cancellation
+        torch.testing.assert_close(batch, solo, atol=2e-4 + 1e-5 * scale, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", WEIGHTS)
+@pytest.mark.parametrize("B,threads", [(3, 1), (3, 2), (8, 2)])
+def test_each_row_equals_the_one_token_gemv(kind, B, threads):
+    """Rows (fp32), panels (bf16/fp16 at 512 columns) and every GGUF format; bias and
+    residual; an odd row count (the leftover rows after the four-stream split). Exactly equal,
+    for float weights; to rounding for GGUF blocks (see `bitwise`)."""
+    lin = Linear(weight(kind, 67, 512, 1), torch.randn(67))
+    x, res = vectors(B, 512, 2), vectors(B, 67, 3)
+    numba.set_num_threads(threads)
+    try:
+        batch = lin.each_row(x, residual=res)
+        solo = torch.cat([lin(x[b:b + 1], residual=res[b:b + 1]) for b in range(B)])
+    finally:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    assert_same(batch, solo, exact=bitwise(kind))
+    assert lin.panels == (kind in ("bf16", "fp16"))
+
+
+@pytest.mark.parametrize("kind", WEIGHTS)
+@pytest.mark.parametrize("gated,B", [(True, 3), (False, 3), (True, 8)])
+def test_batched_dense_ffn_equals_the_one_token_kernel(kind, gated, B):
+    d, n_ff = 256, 512 if gated else 768
+    w_in = Linear(weight(kind, (2 if gated else 1) * n_ff, d, 4), None if gated else torch.randn(n_ff)).w_np
+    w_out = Linear(weight(kind, d, n_ff, 5), torch.randn(d)).w_np
+    b_in = cpu.NO_BIAS if gated else torch.randn(n_ff).numpy()
+    b_out = torch.randn(d).numpy()
+    act = activation_id("silu" if gated else "relu")
+    H = vectors(B, d, 6).numpy()
+    X = vectors(B, d, 7).numpy()
+    solo = X.copy()
+    for b in range(B):
+        decode.dense_ffn(H[b], w_in, b_in, w_out, b_out, gated, act, -1, 0, np.float32(0.0), solo[b], panels.threads())
+    batch_decode.dense_ffn(H, w_in, b_in, w_out, b_out, gated, act, -1, 0, np.float32(0.0), X, panels.threads())
+    assert_same(torch.from_numpy(X), torch.from_numpy(solo), exact=bitwise(kind))
+
+
+def _solo_logits(model, prompt: list[int], steps: list[int]) -> list[torch.Tensor]:
+    cache = model.new_cache(len(prompt) + len(steps) + 1)
+    prefill(model, torch.tensor(prompt), cache)
+    return [model.forward(torch.tensor([t]), cache) for t in steps]
+
+
+def check_batch_equals_solo(model, vocab: int, seed: int = 0, exact: bool = True) -> None:
+    """Sequences with prompts of different lengths decode together, a fourth joins after two
+    steps and the first leaves after four: every row equals the sequence decoded alone
+    (`exact=False`: to float rounding, for GGUF blocks, see `bitwise`)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, vocab, n).tolist() for n in (5, 1, 9, 3)]
+    feeds = [rng.integers(3, vocab, 6).tolist() for _ in prompts]
+    solo = [_solo_logits(model, p, f) for p, f in zip(prompts, feeds)]
+    caches = [model.new_cache(len(p) + 7) for p in prompts]
+    for p, c in zip(prompts, caches):
+        prefill(model, torch.tensor(p), c)
+    members = {0: 0, 1: 0, 2: 0}  # sequence -> steps done
+    for step in range(6):
+        if step == 2:
+            members[3] = 0
+        if step == 4:
+            members.pop(0)
+        seqs = sorted(members)
+        rows = model.decode([feeds[s][members[s]] for s in seqs], [caches[s] for s in seqs])
+        for s, row in zip(seqs, rows):
+            if exact:
+                assert torch.equal(row, solo[s][members[s]]), (s, members[s], (row - solo[s][members[s]]).abs().max())
+            else:
+                torch.testing.assert_close(row, solo[s][members[s]], atol=1e-3, rtol=1e-4)
+            members[s] += 1
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma2", "opt", "falcon_mq_parallel"])
+def test_families_decode_in_a_batch_as_alone(tmp_path, name):
+    lm = powerinfer.load(str(build_tiny(name, tmp_path)))
+    check_batch_equals_solo(lm.model, lm.args.vocab_size)
+
+
+@pytest.mark.parametrize("dtype", ["native", "bf16"])
+def test_default_model_decodes_in_a_batch_as_alone(smollm2_path, dtype):
+    """Its own Q4_1 blocks, and bf16 panels."""
+    lm = powerinfer.load(smollm2_path, dtype=dtype)
+    check_batch_equals_solo(lm.model, lm.args.vocab_size, exact=dtype != "native")
+
+
+def test_decode_step_refuses_shared_or_full_caches(smollm2_path):
+    model = powerinfer.load(smollm2_path).model
+    c = model.new_cache(4)
+    with pytest.raises(powerinfer.PowerInferError, match="its own cache"):
+        model.decode([1, 2], [c, c])
+    c.length = 4
+    with pytest.raises(ValueError, match="holds 4 positions"):
+        model.decode([1, 2], [c, model.new_cache(4)])
+
+
+# -- the engine loop -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lm(smollm2_path):
+    """bf16 panels: batched rows equal solo ones bit for bit (see `bitwise`)."""
+    return powerinfer.load(smollm2_path, dtype="bf16")
+
+
+class Collector:
+    """What the engine emits for one request, with arrival times."""
+
+    def __init__(self):
+        self.items, self.times, self.done = [], [], threading.Event()
+
+    def __call__(self, item):
+        if item is None:
+            self.done.set()
+        else:
+            self.items.append(item)
+            self.times.append(time.perf_counter())
+
+    @property
+    def text(self) -> str:
+        return "".join(r.text for r in self.items)
+
+    @property
+    def finish(self) -> str | None:
+        return self.items[-1].finish_reason if self.items else None
+
+
+def solo_text(lm, prompt: list[int], max_tokens: int, sampling: SamplingParams, stop=None) -> tuple[str, str]:
+    rs = list(stream_generate(lm.model, lm.tokenizer, prompt, max_tokens, sampling, stop))
+    return "".join(r.text for r in rs), rs[-1].finish_reason
+
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def test_requests_joining_and_leaving_get_their_solo_output(lm):
+    tok = lm.tokenizer
+    prompts = [tok.encode(p) for p in ["The capital of France is", "Write a poem about the sea:", "1, 2, 3,",
+                                       "def fibonacci(n):", "Once upon a time", "The best way to learn is"]]
+    lengths = [24, 7, 16, 30, 1, 12]
+    stops = [None, None, None, ["\n\n"], None, None]
+    engine = BatchEngine(lm.model, tok, max_batch=4)
+    try:
+        got = [Collector() for _ in prompts]
+        for i in range(3):
+            engine.submit(prompts[i], lengths[i], GREEDY, stops[i], got[i])
+        while len(got[0].items) < 3:  # the rest join while the first three decode
+            time.sleep(0.01)
+        for i in range(3, 6):
+            engine.submit(prompts[i], lengths[i], GREEDY, stops[i], got[i])
+        for g in got:
+            assert g.done.wait(120)
+        assert engine.batch_tokens > engine.steps  # steps did decode several sequences at once
+    finally:
+        engine.close()
+    for i, g in enumerate(got):
+        assert (g.text, g.finish) == solo_text(lm, prompts[i], lengths[i], GREEDY, stops[i]), i
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(lm):
+    tok = lm.tokenizer
+    sampling = SamplingParams(temperature=0.9, top_p=0.9, seed=1234)
+    prompt = tok.encode("Tell me a story:")
+    alone = solo_text(lm, prompt, 20, sampling)
+    engine = BatchEngine(lm.model, tok, max_batch=4)
+    try:
+        others = [Collector() for _ in range(3)]
+        for i, o in enumerate(others):
+            engine.submit(tok.encode(f"Noise {i}"), 25, SamplingParams(temperature=1.0, seed=i), None, o)
+        mine = Collector()
+        engine.submit(prompt, 20, sampling, None, mine)
+        assert mine.done.wait(120) and all(o.done.wait(120) for o in others)
+    finally:
+        engine.close()
+    assert (mine.text, mine.finish) == alone
+
+
+def test_a_cancelled_request_leaves_at_the_next_step(lm):
+    tok = lm.tokenizer
+    engine = BatchEngine(lm.model, tok, max_batch=2)
+    try:
+        long, other = Collector(), Collector()
+        seq = engine.submit(tok.encode("Count to a thousand:"), 500, GREEDY, None, long)
+        prompt = tok.encode("A bystander asks")
+        engine.submit(prompt, 20, GREEDY, None, other)
+        while len(long.items) < 3:
+            time.sleep(0.01)
+        seq.cancel.set()
+        assert long.done.wait(10) and len(long.items) < 100
+        assert long.finish is None  # cut off, not finished
+        assert other.done.wait(120)
+        assert engine.active == 0 and engine.waiting == 0
+    finally:
+        engine.close()
+    assert (other.text, other.finish) == solo_text(lm, prompt, 20, GREEDY)
+
+
+def test_a_long_prompt_is_prefilled_between_the_others_tokens(lm):
+    """With 32-token prefill chunks, a 400-token prompt takes 13 steps; each of them also
+    decodes the running sequences, so they keep producing tokens meanwhile."""
+    tok = lm.tokenizer
+    engine = BatchEngine(lm.model, tok, max_batch=4, prefill_chunk=32)
+    try:
+        runners = [Collector() for _ in range(2)]
+        for i, r in enumerate(runners):
+            engine.submit(tok.encode(f"Runner {i} says"), 60, GREEDY, None, r)
+        while min(len(r.items) for r in runners) < 2:
+            time.sleep(0.01)
+        long_prompt = (tok.encode("word ") * 400)[:400]
+        t_submit = time.perf_counter()
+        late = Collector()
+        engine.submit(long_prompt, 2, GREEDY, None, late)
+        assert late.done.wait(120)
+        t_first = late.times[0]
+        for r in runners:
+            during = [t for t in r.times if t_submit < t < t_first]
+            assert len(during) >= 10 or r.done.is_set() and r.times[-1] < t_first, len(during)
+        assert all(r.done.wait(120) for r in runners)
+    finally:
+        engine.close()
+    assert (late.text, late.finish) == solo_text(lm, long_prompt, 2, GREEDY)
+
+
+def test_zero_tokens_and_closing_with_work_left(lm):
+    tok = lm.tokenizer
+    engine = BatchEngine(lm.model, tok, max_batch=1)
+    zero, busy, queued = Collector(), Collector(), Collector()
+    engine.submit(tok.encode("Hi"), 0, GREEDY, None, zero)
+    assert zero.done.wait(30) and [(r.text, r.finish_reason) for r in zero.items] == [("", "length")]
+    engine.submit(tok.encode("Count:"), 500, GREEDY, None, busy)
+    engine.submit(tok.encode("Wait"), 5, GREEDY, None, queued)
+    engine.close()
+    assert busy.done.is_set() and queued.done.is_set() and not queued.items
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit(tok.encode("Hi"), 1, GREEDY, None, Collector())

@@ -15,7 +15,10 @@ from .panels import gemv_any, threads
 from .weights import PanelWeight, Weight, weight_for
 
 _NO_ROWS = np.zeros((0, 0), dtype=np.float32)  # no residual, for the batch kernels
-SMALL_BATCH = 4  # tokens up to which a half-weight matmul runs as one numba GEMV per token
+SMALL_BATCH = 4  # tokens up to which a half-weight matmul runs as the batched numba GEMV
+# GGUF blocks: the batched GEMV widens each block once per four tokens (ops/batch_decode.py),
+# far cheaper than widening whole tiles for torch's GEMM at this size (docs/BENCHMARKS.md)
+QUANT_SMALL_BATCH = 16
 
 
 class Linear:
@@ -29,6 +32,7 @@ class Linear:
         self.bias = None if bias is None else bias.float().contiguous()
         self._b_np = None if self.bias is None or self.w.kernel is None else self.bias.numpy()
         self._half = self.w.dtype != torch.float32  # fp32 GEMMs need no widening copy
+        self._quant = self.w.dtype == torch.uint8  # GGUF blocks
 
     @property
     def weight(self) -> torch.Tensor:
@@ -60,8 +64,10 @@ class Linear:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """W x + b (+ residual) for x of shape (T, in); fp32 result of shape (T, out)."""
         kernel = self.w.kernel
-        if kernel is not None and (x.shape[0] == 1 or (x.shape[0] <= SMALL_BATCH and self._half)):
-            # For a few tokens one GEMV each beats widening half weights to fp32 for a GEMM.
+        T = x.shape[0]
+        if kernel is not None and (T == 1 or (T <= SMALL_BATCH and self._half) or (T <= QUANT_SMALL_BATCH and
+                                                                                  self._quant)):
+            # For a few tokens the batched GEMV beats widening the weights to fp32 for a GEMM.
             return self.each_row(x, residual)
         y = self.w.matmul(x, self.bias)
         return y if residual is None else y + residual

@@ -11,6 +11,7 @@ sequence at its next step boundary.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -298,7 +299,12 @@ async def cancel_on_disconnect(request: HTTPRequest, req: Request) -> None:
 
 def create_app(server: Server):
     """The FastAPI application serving `server`."""
-    app = FastAPI(title="powerinfer", docs_url=None, redoc_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        yield
+        server.engine.close()  # unfinished generations end; the engine thread stops before exit
+
+    app = FastAPI(title="powerinfer", docs_url=None, redoc_url=None, lifespan=lifespan)
 
     @app.exception_handler(APIError)
     async def api_error(_, exc: APIError):

@@ -16,8 +16,10 @@ generation failed, then None.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -26,7 +28,7 @@ import torch
 
 from ..errors import NonFiniteError
 from ..models.base import Model
-from ..models.batch import decode_step
+from ..models.batch import decode_step, release
 from ..models.cache import KVCache
 from ..tokenizer import Tokenizer
 from .generate import GenerationResponse, TextStream, check_context
@@ -72,6 +74,8 @@ class BatchEngine:
         self.batch_tokens = 0  # tokens those steps decoded
         self._thread = threading.Thread(target=self._run, name="powerinfer-engine", daemon=True)
         self._thread.start()
+        ref = weakref.ref(self)  # stopped before the interpreter tears down numba's threads under it
+        atexit.register(lambda: (engine := ref()) is not None and engine.close())
 
     # -- from any thread --------------------------------------------------------------------
     def submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams, stop: list[str] | None,
@@ -101,7 +105,8 @@ class BatchEngine:
         with self._cv:
             self._closed = True
             self._cv.notify()
-        self._thread.join(timeout=30)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
 
     # -- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -135,8 +140,11 @@ class BatchEngine:
             logits = decode_step(self.model, [s.pending for s in ready], [s.cache for s in ready])
             self.steps += 1
             self.batch_tokens += len(ready)
-            for seq, row in zip(ready, logits):
-                self._sample(seq, row)
+            finite = torch.isfinite(logits).all(dim=1).tolist()  # one check for the batch
+            for seq, row, ok in zip(ready, logits, finite):
+                self._sample(seq, row, ok)
+        if not self._active:
+            release(self.model)  # the finished sequences' caches can go
 
     def _prefill(self, seq: Sequence, budget: int) -> int:
         """Run up to `budget` more prompt tokens of `seq`; sample its first token when the
@@ -154,13 +162,13 @@ class BatchEngine:
         logits = self.model.forward(torch.tensor(chunk, dtype=torch.long), seq.cache)
         seq.prefilled += len(chunk)
         if seq.prefilled == len(seq.prompt):
-            self._sample(seq, logits)
+            self._sample(seq, logits, bool(torch.isfinite(logits).all()))
         return len(chunk)
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Sample the next token from `logits`, hand its text to the caller, and either queue
-        it for the next decode step or end the sequence."""
-        if not torch.isfinite(logits).all():
+    def _sample(self, seq: Sequence, logits: torch.Tensor, finite: bool) -> None:
+        """Sample the next token from `logits` (`finite`: none is NaN or Inf), hand its text to
+        the caller, and either queue it for the next decode step or end the sequence."""
+        if not finite:
             self._finish(seq, NonFiniteError(f"the model's output became NaN or Inf at token {seq.generated} of the "
                                              "generation (corrupt weights, or activations overflowing the weights' "
                                              "dtype)"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from numba.typed import List
 
 from ..errors import BadArgumentError
 from ..ops import api
@@ -60,8 +61,8 @@ def _fused_layer(model: Model, i: int, layer: Layer, x: torch.Tensor, caches: li
     api.attention_in_batch(w, xs, qkv)
     cos, sin = model.rope_cos_sin(max(pos) + 1) if shape.rope else (_EMPTY_TABLE, _EMPTY_TABLE)
     att = np.empty((B, a.q_dim), dtype=np.float32)
-    for b in range(B):
-        api.attend_one(qkv[b], shape, pos[b], cos, sin, caches[b].k_np[i], caches[b].v_np[i], att[b])
+    k_caches, v_caches = _layer_caches(model, caches, i)
+    api.attend_batch(qkv, shape, np.asarray(pos, dtype=np.int64), cos, sin, k_caches, v_caches, att)
     h = np.empty((B, a.d_model), dtype=np.float32)
     api.attention_out_batch(w, att, xs, h)
     if layer.ffn.add_batch(h, xs):
@@ -69,6 +70,24 @@ def _fused_layer(model: Model, i: int, layer: Layer, x: torch.Tensor, caches: li
     for b in range(B):
         if not layer.ffn.add_one(h[b], xs[b]):
             x[b:b + 1] = layer.ffn(torch.from_numpy(h[b].copy())[None], residual=x[b:b + 1])
+
+
+def _layer_caches(model: Model, caches: list[KVCache], layer: int) -> tuple[List, List]:
+    """Layer `layer`'s key and value caches of these sequences as numba typed lists, built
+    once per batch membership (filling them costs ~1 us an item) and kept on the model."""
+    memo = getattr(model, "_batch_kv", None)
+    # the cache objects themselves are the key (ids could be reused after one is freed)
+    if memo is None or len(memo[0]) != len(caches) or any(a is not b for a, b in zip(memo[0], caches)):
+        memo = model._batch_kv = (list(caches), {})
+    lists = memo[1].get(layer)
+    if lists is None:
+        lists = memo[1][layer] = (List([c.k_np[layer] for c in caches]), List([c.v_np[layer] for c in caches]))
+    return lists
+
+
+def release(model: Model) -> None:
+    """Drop the typed lists of the last batch's caches (they keep those caches alive)."""
+    model._batch_kv = None
 
 
 def _logits(model: Model, x: torch.Tensor) -> torch.Tensor:

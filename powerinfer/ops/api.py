@@ -238,6 +238,14 @@ def attention_in_batch(w: AttentionWeights, X: np.ndarray, qkv: np.ndarray) -> N
     batch_decode.attention_in(X, w.norm_w, w.eps, w.wqkv, w.bqkv, qkv, panels.threads())
 
 
+def attend_batch(qkv: np.ndarray, s: AttentionShape, pos: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                 k_caches, v_caches, out: np.ndarray) -> None:
+    """Decode attention for several sequences, each over its own cache (`k_caches`/`v_caches`:
+    numba typed lists of the sequences' layer caches), in one call."""
+    batch_decode.attend(qkv, pos, cos, sin, k_caches, v_caches, s.n_heads, s.n_kv_heads, s.head_dim, s.scale, s.rope,
+                        out)
+
+
 def attention_out_batch(w: AttentionWeights, att: np.ndarray, X: np.ndarray, h_out: np.ndarray) -> None:
     """X[s] += Wo att[s] (+ b) in place, then h_out[s] = rms_norm(X[s]) * ffn_norm_w."""
     batch_decode.attention_out(att, w.wo, w.bo, X, w.ffn_norm_w, w.eps, h_out, panels.threads())

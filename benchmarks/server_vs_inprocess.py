@@ -97,8 +97,8 @@ def main() -> None:
         print(f"| server, 1 streaming client | {s_ttft * 1e3:.0f} | {s_decode:.1f} |")
         print(f"\nserver / in-process decode: {s_decode / statistics.median(decode):.2f}x; TTFT difference "
               f"{(s_ttft - statistics.median(ttft)) * 1e3:+.0f} ms")
-        print("\n| concurrent clients | aggregate tok/s | vs 1 client | p50 gap ms | p95 gap ms | wall s |\n"
-              "|---|---|---|---|---|---|")
+        print("\n| concurrent clients | aggregate tok/s | vs 1 client | p50 gap ms | p95 gap ms | wall s | "
+              "clients' CPU s |\n|---|---|---|---|---|---|---|")
         one = None
         for n in (1, 2, 4, 8):
             results = [None] * n
@@ -106,18 +106,18 @@ def main() -> None:
             def run(i):
                 results[i] = stream_once(client, PROMPTS[i % len(PROMPTS)], args.tokens)
 
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
-            wall = time.perf_counter() - t0
+            wall, client_cpu = time.perf_counter() - t0, time.process_time() - cpu0
             total = sum(r[2] for r in results) / wall
             one = one or total
             gaps = [g for r in results for g in r[3]]
             print(f"| {n} | {total:.1f} | {total / one:.2f}x | {percentile(gaps, 0.5) * 1e3:.0f} | "
-                  f"{percentile(gaps, 0.95) * 1e3:.0f} | {wall:.1f} |")
+                  f"{percentile(gaps, 0.95) * 1e3:.0f} | {wall:.1f} | {client_cpu:.1f} |")
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -161,11 +161,11 @@ def set_threads(threads: int | None) -> None:
         cpu.set_threads(threads)
 
 
-def load(path: str | None = None, dtype: str | torch.dtype = "fp32", threads: int | None = None,
+def load(path: str | None = None, dtype: str | torch.dtype = "native", threads: int | None = None,
          with_tokenizer: bool = True) -> LoadedModel:
     """Load a model for generation. `path`: .gguf file, HF directory, or None for the default.
-    `dtype`: fp32, bf16, fp16 (weights converted), or native (each tensor as the file stores
-    it: GGUF quantized blocks stay blocks, F16 stays fp16)."""
+    `dtype`: native (the default, as the CLI: each tensor as the file stores it, GGUF quantized
+    blocks stay blocks, F16 stays fp16), or fp32, bf16, fp16 (weights converted)."""
     set_threads(threads)
     path = resolve_model_path(path)
     torch_dtype = parse_dtype(dtype)

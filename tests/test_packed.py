@@ -137,6 +137,57 @@ def test_silu_oracle_and_sparse_equal_the_instrumented_reference(silu, placement
     torch.testing.assert_close(sparse.forward(ids, sparse.new_cache(64), all_logits=True), dense, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mode,placement", [("sparse", "all_cpu"), ("sparse", "split"), ("dense", "all_cpu")])
+def test_batched_decode_of_a_packed_model_equals_each_sequence_alone(silu, mode, placement, monkeypatch):
+    """Server batches on the hybrid engine. Per-token rows: a batched step's row equals that
+    sequence decoded alone (fp32 weights: exactly)."""
+    from powerinfer.engine.hybrid import PredictedFFN
+
+    monkeypatch.setattr(PredictedFFN, "batch_rows", "per_token")
+    model = load(packed(silu, placement, placements(silu.hash)[placement]), mode=mode, predictor_bypass=None).model
+    ids = prompt_ids(silu.lm)
+    check_batch_rows(model, [ids[:9], ids[3:5], ids[5:12]], [ids[-4:], ids[:4], ids[4:8]])
+
+
+def check_batch_rows(model, prompts, feeds) -> None:
+    solo = []
+    for p, f in zip(prompts, feeds):
+        c = model.new_cache(16)
+        model.forward(p, c)
+        solo.append([model.forward(t[None], c) for t in f])
+    caches = [model.new_cache(16) for _ in prompts]
+    for p, c in zip(prompts, caches):
+        model.forward(p, c)
+    for step in range(len(feeds[0])):
+        rows = model.decode([int(f[step]) for f in feeds], caches)
+        for b in range(len(prompts)):
+            assert torch.equal(rows[b], solo[b][step]), (b, step)
+
+
+def test_batched_sparse_decode_on_the_union_of_predicted_rows(silu, monkeypatch):
+    """The union path reads each predicted row once for the batch; sequences with the same
+    input (the same predicted sets) then get exactly their solo output."""
+    from powerinfer.engine.hybrid import PredictedFFN
+    from powerinfer.ops import ffn_rows
+
+    monkeypatch.setattr(PredictedFFN, "batch_rows", "union")
+    batches = []
+    real = ffn_rows.add_into
+    monkeypatch.setattr(ffn_rows, "add_into", lambda rows, spec, x, *a: (batches.append(x.shape[0]),
+                                                                          real(rows, spec, x, *a))[1])
+    sparse_lm = load(packed(silu, "all_cpu", placements(silu.hash)["all_cpu"]), mode="sparse", predictor_bypass=None)
+    ids = prompt_ids(silu.lm)
+    check_batch_rows(sparse_lm.model, [ids[:7]] * 3, [ids[7:11]] * 3)
+    assert 3 in batches  # the rows were computed once for the three sequences
+    # distinct sequences: the union holds more than each one's own set
+    sparse_lm.ffn_stats.reset()
+    caches = [sparse_lm.model.new_cache(8) for _ in range(3)]
+    for i, c in enumerate(caches):
+        sparse_lm.model.forward(ids[i:i + 4], c)
+    out = sparse_lm.model.decode([int(ids[5]), int(ids[9]), int(ids[2])], caches)
+    assert torch.isfinite(out).all() and sparse_lm.ffn_stats.active_fraction > 0
+
+
 @pytest.mark.parametrize("placement", ["all_cpu", "split"])
 def test_dense_ish_layers_bypass_their_predictor(silu, placement, monkeypatch):
     """A layer whose predictor computes at least `predictor_bypass` of the neurons (on the

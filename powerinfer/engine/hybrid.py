@@ -222,6 +222,36 @@ class PredictedFFN(TieredFFN):
             ffn_rows.add_into(tier, self.spec, h[None], idx, self.criterion, x[None])
         return True
 
+    # Batched decode: "union" computes the union of the sequences' predicted rows for all of
+    # them (each row read once); "per_token" runs add_one per sequence (its own rows, read
+    # again for each); "auto" takes the union when it is at most UNION_SHARE of the rows the
+    # per-token sets would read (docs/BENCHMARKS.md, "batched sparse decode").
+    batch_rows = "auto"
+    UNION_SHARE = 0.75
+
+    def add_batch(self, h: np.ndarray, x: np.ndarray) -> bool:
+        """x[s] += FFN(h[s]) for a batch on the union of the sequences' predicted rows, when
+        that is cheaper than their own sets one by one. A sequence then also gets the neurons
+        predicted for the others that pass its threshold (predictor misses for it, which the
+        dense model has too), so its output may differ from its solo output, towards dense."""
+        tier = self.cpu
+        if (self.batch_rows == "per_token" or self.gpu.n or not tier.numba or self.b_out is not None
+                or self.predictor.device.type != "cpu"):
+            return False
+        sets = [self.predictor.active_np(h[b]) for b in range(h.shape[0])]
+        union = np.unique(np.concatenate(sets))
+        if self.batch_rows == "auto" and union.shape[0] > self.UNION_SHARE * sum(s.shape[0] for s in sets):
+            for b, idx in enumerate(sets):  # per token, without predicting again
+                self._record(0, idx.shape[0], False)
+                if idx.shape[0]:
+                    ffn_rows.add_into(tier, self.spec, h[b:b + 1], idx, self.criterion, x[b:b + 1])
+            return True
+        for _ in sets:
+            self._record(0, union.shape[0], False)
+        if union.shape[0]:
+            ffn_rows.add_into(tier, self.spec, h, union.astype(sets[0].dtype, copy=False), self.criterion, x)
+        return True
+
 
 def make_ffn(plan: LayerPlan, gpu_tier: Tier, cpu_tier: Tier, spec: FFNSpec, b_out: torch.Tensor | None,
              stats: FFNStats, predictor: Predictor | None, last_layer: bool) -> TieredFFN:

@@ -337,6 +337,7 @@ def test_offload_mode_puts_whole_layers_on_the_gpu_tier(relu, gpu_tier):
     assert all(l.ffn.predictor is None for l in m.layers)  # every neuron is computed: no predictor memory
     ids = prompt_ids(relu.lm)
     torch.testing.assert_close(decode_logits(m, ids), decode_logits(relu.lm.model, ids), atol=2e-5, rtol=1e-5)
+    check_batch_rows(m, [ids[:9], ids[3:5], ids[5:12]], [ids[-4:], ids[:4], ids[4:8]])  # a server batch, too
 
 
 @pytest.mark.parametrize("name", ["opt", "falcon_sequential_bias", "qwen3", "gemma2", "gemma3", "phi3"])

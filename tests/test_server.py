@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 import subprocess
@@ -59,7 +60,7 @@ def stop_server(proc):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    proc, base = start_server(model_dir, "--max-batch", "4", "--queue-size", "8")
+    proc, base = start_server(model_dir, "--max-batch", "4", "--queue-size", "8", "--prefill-chunk", "32")
     try:
         yield base
     finally:
@@ -179,6 +180,34 @@ def test_disconnect_cancels_and_frees_the_slot(server):
     assert c.completions.create(model=NAME, prompt="Still alive?", max_tokens=3, temperature=0).choices[0].text
 
 
+def test_a_long_prompt_does_not_stall_the_others(server):
+    """A 1500-token prompt arrives while a stream decodes: it is prefilled 32 tokens per step
+    between the stream's tokens, so the stream keeps going (its longest gap is a small part
+    of the long prompt's wait, not all of it)."""
+    c = client(server)
+    stamps = []
+
+    def bystander():
+        body = dict(model=NAME, prompt=long_prompt(server), max_tokens=400, temperature=0, stream=True)
+        for ch in c.completions.create(**body):
+            stamps.append(time.perf_counter())
+
+    t = threading.Thread(target=bystander)
+    t.start()
+    while len(stamps) < 5:
+        time.sleep(0.01)
+    sent = time.perf_counter()
+    r = c.completions.create(model=NAME, prompt=[7] * 1500, max_tokens=1, temperature=0)
+    answered = time.perf_counter()
+    t.join(timeout=120)
+    assert r.usage.prompt_tokens == 1500
+    during = [s for s in stamps if sent <= s <= answered]
+    assert len(during) >= 10, len(during)  # ~47 chunks, one decode step of the stream after each
+    gaps = [b - a for a, b in zip(during, during[1:])]
+    assert max(gaps) < 0.5 * (answered - sent), (max(gaps), answered - sent)
+    wait_idle(server)
+
+
 def test_a_non_streaming_client_that_gives_up_frees_its_slot(server):
     body = {"model": NAME, "prompt": long_prompt(server), "max_tokens": 1900, "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
@@ -281,6 +310,7 @@ def test_prompt_as_token_ids_or_a_batch_of_one(server, model_dir):
     assert texts[0] and texts == [texts[0]] * 4
 
 
+@functools.lru_cache(maxsize=None)
 def long_prompt(base) -> str:
     """A prompt the random tiny model does not end early with EOS (so a request stays busy)."""
     for p in ["Long:", "Count forever:", "a b c d", "The", "1 2 3 4 5", "Once upon a time"]:

@@ -223,11 +223,13 @@ class PredictedFFN(TieredFFN):
         return True
 
     # Batched decode: "union" computes the union of the sequences' predicted rows for all of
-    # them (each row read once); "per_token" runs add_one per sequence (its own rows, read
-    # again for each); "auto" takes the union when it is at most UNION_SHARE of the rows the
-    # per-token sets would read (docs/BENCHMARKS.md, "batched sparse decode").
+    # them (each row read once); "per_token" each sequence's own rows (read again for each);
+    # "auto" takes the union only when it is at most UNION_SHARE of the rows the per-token
+    # sets read. Measured on the planted 7B shape (docs/BENCHMARKS.md, "Batched sparse
+    # decode"): the union lost at 0.51 (B=4, 1.23x slower) and at 0.33 (B=8, 1.17x), its
+    # rows' compute for every sequence costing more than the reads it saves.
     batch_rows = "auto"
-    UNION_SHARE = 0.75
+    UNION_SHARE = 0.25
 
     def add_batch(self, h: np.ndarray, x: np.ndarray) -> bool:
         """x[s] += FFN(h[s]) for a batch on the union of the sequences' predicted rows, when

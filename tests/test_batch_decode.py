@@ -123,7 +123,7 @@ def check_batch_equals_solo(model, vocab: int, seed: int = 0, exact: bool = True
             members[s] += 1
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma2", "opt", "falcon_mq_parallel"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "opt", "falcon_mq_parallel"])
 def test_families_decode_in_a_batch_as_alone(tmp_path, name):
     lm = powerinfer.load(str(build_tiny(name, tmp_path)))
     check_batch_equals_solo(lm.model, lm.args.vocab_size)

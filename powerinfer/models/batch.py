@@ -2,11 +2,12 @@
 
 Decode is memory-bound: the step's cost is reading the weights, so B sequences should read
 them once. Llama-shaped layers (those that decode through the fused kernels) run the batch
-kernels of ops/batch_decode.py: norms and QKV for all sequences, attention per sequence over
-its own cache, then the output projection and FFN for all. Every other part runs per
-sequence through the same code as a single token (layers with windows, soft-caps, post-norms
-or q/k norms; the sparse FFNs, which read each sequence's own predicted rows), so those
-parts are not yet batched. A sequence's result does not depend on its batch: row b of
+kernels of ops/batch_decode.py: norms and QKV for all sequences, attention for all in one
+call, each over its own cache, then the output projection and FFN for all. Other layers on
+the CPU (windows, soft-caps, post-norms, q/k norms, parallel or post-norm blocks) take the
+per-op path of `Model.block` with the projections and the dense FFN over the batch, norms
+and attention per sequence. Layers on the GPU tier run per sequence; the sparse FFNs read
+each sequence's own predicted rows (or, where it pays, their union: engine/hybrid.py). A sequence's result does not depend on its batch: row b of
 `decode_step` equals `Model.forward` on that sequence alone, bit for bit for float weights
 and to float rounding for GGUF blocks (ops/batch_decode.py says why).
 """
@@ -21,6 +22,7 @@ from ..errors import BadArgumentError
 from ..ops import api
 from .base import _EMPTY_TABLE, Layer, Model
 from .cache import KVCache
+from .ffn import DenseFFN
 
 
 @torch.inference_mode()
@@ -42,7 +44,9 @@ def decode_step(model: Model, tokens: list[int], caches: list[KVCache]) -> torch
     for i, layer in enumerate(model.layers):
         if layer.fused_decode and all(c.k_np[i] is not None for c in caches):
             _fused_layer(model, i, layer, x, caches, pos)
-        else:
+        elif layer.attn.qkv.w_np is not None and layer.attn.o.w_np is not None:
+            x = _layer(model, i, layer, x, caches, pos)
+        else:  # weights on the GPU tier: one sequence at a time, as one token
             for b in range(B):
                 x[b:b + 1] = model.block(i, layer, x[b:b + 1].clone(), caches[b], pos[b])
     for c, p in zip(caches, pos):
@@ -70,6 +74,57 @@ def _fused_layer(model: Model, i: int, layer: Layer, x: torch.Tensor, caches: li
     for b in range(B):
         if not layer.ffn.add_one(h[b], xs[b]):
             x[b:b + 1] = layer.ffn(torch.from_numpy(h[b].copy())[None], residual=x[b:b + 1])
+
+
+def _layer(model: Model, i: int, layer: Layer, x: torch.Tensor, caches: list[KVCache], pos: list[int]) -> torch.Tensor:
+    """Any other layer whose projections the CPU kernels read (windows, soft-caps, post-norms,
+    q/k norms, parallel or post-norm blocks): `Model.block`'s steps for one token, with the
+    projections and the dense FFN over the batch (each weight read once) and the norms and
+    attention per sequence, so each row is computed as one token's."""
+    a = model.args
+    B = x.shape[0]
+
+    def rows(norm, t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([norm(t[b:b + 1]) for b in range(B)])
+
+    def attention(h: torch.Tensor) -> torch.Tensor:
+        qkv = layer.attn.qkv.each_row(h)
+        if layer.attn.q_norm is not None:
+            qkv = torch.cat([model._norm_qk(qkv[b:b + 1], layer.attn) for b in range(B)])
+        out = []
+        for b in range(B):
+            if caches[b].k_np[i] is not None and model._kernel_attention[i]:
+                out.append(model._attend_one(i, qkv[b], caches[b], pos[b]).unsqueeze(0))
+            else:
+                out.append(model._attend_torch(i, qkv[b:b + 1], caches[b], pos[b]))
+        return layer.attn.o.each_row(torch.cat(out))
+
+    if not a.pre_norm:  # OPT post-norm
+        x = rows(layer.attn_norm, x + attention(x))
+        assert layer.ffn_norm is not None
+        return rows(layer.ffn_norm, _ffn(layer.ffn, x, residual=x))
+    h = rows(layer.attn_norm, x)
+    attn_out = attention(h)
+    if layer.post_attn_norm is not None:
+        attn_out = rows(layer.post_attn_norm, attn_out)
+    if a.parallel_block:
+        ffn_in = h if layer.ffn_norm is None else rows(layer.ffn_norm, x)
+        return _ffn(layer.ffn, ffn_in, residual=x + attn_out)
+    x = x + attn_out
+    assert layer.ffn_norm is not None
+    if layer.post_ffn_norm is not None:
+        return x + rows(layer.post_ffn_norm, _ffn(layer.ffn, rows(layer.ffn_norm, x)))
+    return _ffn(layer.ffn, rows(layer.ffn_norm, x), residual=x)
+
+
+def _ffn(ffn, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + FFN(x) per row as one token's: a dense FFN's matmuls over the batch, any
+    other FFN (sparse, instrumented, on the GPU tier) one sequence at a time."""
+    if isinstance(ffn, DenseFFN) and ffn.w_in.w_np is not None and ffn.w_out.w_np is not None:
+        h = ffn.w_in.each_row(x)
+        hidden = torch.cat([ffn._hidden_one(h[b]).unsqueeze(0) for b in range(x.shape[0])])
+        return ffn.w_out.each_row(hidden, residual)
+    return torch.cat([ffn(x[b:b + 1], None if residual is None else residual[b:b + 1]) for b in range(x.shape[0])])
 
 
 def _layer_caches(model: Model, caches: list[KVCache], layer: int) -> tuple[List, List]:

@@ -411,6 +411,24 @@ def test_flag_corpus(corpus):
         ["chat", "-m", hf, "--top-p", "nan"],
     ]
     cases = [(f"flags {' '.join(a)[-80:]!r}", a) for a in flags]
+    # the message names the flag at fault (and the benchmarks refuse before writing --dir)
+    small = ["--layers", "4", "--d-model", "256", "--ffn-dim", "1024", "--heads", "4"]
+    named = [
+        ([*g, "--temperature", "-1"], "temperature"), ([*g, "--top-p", "0"], "top_p"), ([*g, "-n", "-3"], "max_tokens"),
+        ([*g, "-t", "0"], "threads"), ([*g, "--temperature", "nan"], "temperature"),
+        ([*g, "--repetition-penalty", "nan"], "repetition_penalty"),  # NaN fails every comparison
+        (["bench", "ops", "--repeats", "0"], "--repeats"), (["bench", "ops", "--fractions", "0.1,abc"], "--fractions"),
+        (["bench", "ops", "--fractions", "1.5"], "--fractions"), (["bench", "ops", "--cols", "-3"], "--rows and --cols"),
+        (["bench", "relu7b", "--sparsity", "1", "--dir", str(corpus / "d")], "--sparsity"),
+        (["bench", "relu7b", "--layers", "0", "--dir", str(corpus / "d")], "--layers"),
+        (["bench", "hybrid", "--rank", "0", "--dir", str(corpus / "d")], "--rank"),
+        (["bench", "e2e", "--outputs", "128,x"], "--outputs"),
+        (["bench", "hybrid", *small, "--vram-fraction", "1.5"], "between 0 and 1"),
+        (["bench", "hybrid", *small, "--hardware", "cpu"], "has no GPU"),
+        (["bench", "hybrid", *small, "--vram-fraction", "0.01", "--dir", str(corpus / "d")], "before any neuron"),
+        (["bench", "hybrid", "--d-model", "250", "--heads", "4"], "even size"),
+    ]
+    cases += [(f"flag {' '.join(a)[-60:]!r}", a, fragment) for a, fragment in named]
     # outputs aimed at the user's own files and folders: refused before any work, nothing touched
     user, existing = str(corpus / "user"), str(corpus / "existing.json")
     outputs = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from cli_helpers import assert_clean_error, run_cli
+from cli_helpers import run_cli
 
 from powerinfer.hardware import BUILTIN
 from powerinfer.units import parse_size
@@ -34,30 +34,14 @@ def test_bench_hybrid_places_both_engines_under_one_budget(tmp_path):
     assert doc["baselines"]["offload"]["head_on_gpu"] and doc["hardware"]["name"] == "small-gpu"
 
 
-def test_bench_hybrid_refuses_budgets_and_hardware_without_a_gpu(tmp_path):
-    assert_clean_error(run_cli("bench", "hybrid", *SMALL, "--vram-fraction", "1.5"), "between 0 and 1")
-    assert_clean_error(run_cli("bench", "hybrid", *SMALL, "--hardware", "cpu"), "has no GPU")
-    assert_clean_error(run_cli("bench", "hybrid", *SMALL, "--vram-fraction", "0.01", "--dir", str(tmp_path / "x")),
-                       "before any neuron")
-    assert not (tmp_path / "x").exists()  # refused before anything was written
-    assert_clean_error(run_cli("bench", "hybrid", "--d-model", "250", "--heads", "4"), "even size")
-
-
-def test_bench_relu7b_without_dir_leaves_nothing_behind(tmp_path, monkeypatch):
-    """Without --dir the planted model (~14 GB at the default shape) goes to a temporary
-    folder that is removed at the end, not left in /tmp run after run."""
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    r = run_cli("bench", "relu7b", *SMALL, "--tokens", "4", "--rounds", "1", "-t", "2")
-    assert r.returncode == 0, r.stderr
-    assert "sparse" in r.stdout and list(tmp_path.iterdir()) == []
-
-
-def test_bench_relu7b_on_quantized_blocks(tmp_path):
+def test_bench_relu7b_on_quantized_blocks_leaves_nothing_behind(tmp_path, monkeypatch):
     """The planted model written as Q4_0: the dense engine reads the file's blocks, the packed
-    sparse one its Q4_0 rows with a Q8_0 down projection; both decode and the table prints."""
-    r = run_cli("bench", "relu7b", *SMALL, "--dtype", "q4_0", "--tokens", "4", "--rounds", "1",
-                "--dir", str(tmp_path / "r"), "-t", "2")
+    sparse one its Q4_0 rows with a Q8_0 down projection; both decode and the table prints.
+    Without --dir the planted model (~14 GB at the default shape) goes to a temporary folder
+    that is removed at the end, not left in /tmp run after run."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    r = run_cli("bench", "relu7b", *SMALL, "--dtype", "q4_0", "--tokens", "4", "--rounds", "1", "-t", "2")
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "r" / "planted-256d-1024ff-4h-4l.q4_0.gguf").is_file()
+    assert "planted-256d-1024ff-4h-4l.q4_0.gguf" in r.stdout and list(tmp_path.iterdir()) == []
     speeds = dict(re.findall(r"\| (dense|sparse) \| ([\d.]+) \|", r.stdout))
     assert set(speeds) == {"dense", "sparse"} and all(float(v) > 0 for v in speeds.values())

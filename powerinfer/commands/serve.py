@@ -33,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ..engine.batch import warm_up_batch
     from ..engine.generate import warm_up
     from ..server import Server, create_app
 
@@ -46,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     lm = load_from_args(args)
     max_batch = args.max_batch or default_max_batch(lm.model)
     warm_up(lm.model)  # so that the first request does not pay for loading the kernels
+    if max_batch > 1:
+        warm_up_batch(lm.model)  # nor the first two that overlap
     name = args.model_name or (args.model if args.model and looks_like_hub_id(args.model)  # org/name, as asked
                                else os.path.basename(lm.path.rstrip("/")))
     server = Server(lm, name, max_batch, args.queue_size, args.api_key, args.prefill_chunk)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import collections
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
@@ -54,6 +55,19 @@ class Sequence:
     generated: int = 0  # tokens sampled
     pending: int | None = None  # the last sampled token, fed at the next decode step
     seen: torch.Tensor | None = None  # prompt + sampled ids (repetition penalty)
+
+
+def warm_up_batch(model: Model) -> float:
+    """Run one batched decode step of two sequences on throwaway caches, so that the batch
+    kernels are compiled (or loaded from numba's cache) before the first requests overlap: in
+    a fresh install that compilation takes ~20 s. Returns the seconds taken."""
+    t0 = time.perf_counter()
+    caches = [model.new_cache(3) for _ in range(2)]
+    for c in caches:
+        model.forward(torch.zeros(2, dtype=torch.long), c)
+    decode_step(model, [0, 0], caches)
+    release(model)
+    return time.perf_counter() - t0
 
 
 class BatchEngine:

@@ -58,10 +58,12 @@ def test_gated_activation_matches_reference(act, up_act):
     torch.testing.assert_close(plain, reference.gated_act(torch.cat([h, torch.ones_like(h)]), 2 * n_ff, act))
 
 
-@pytest.mark.parametrize("n_heads,n_kv,rope,pos", [(4, 4, True, 13), (6, 2, True, 13), (8, 1, False, 13),
-                                                   (9, 3, True, 150), (6, 2, False, 127)])
-def test_attend_one_matches_reference(n_heads, n_kv, rope, pos):
-    """Also over several ATTENTION_BLOCK blocks of positions (partial softmaxes merged)."""
+@pytest.mark.parametrize("n_heads,n_kv,rope,pos,window,softcap", [
+    (4, 4, True, 13, 0, 0.0), (6, 2, True, 13, 0, 0.0), (8, 1, False, 13, 0, 0.0), (9, 3, True, 150, 0, 0.0),
+    (6, 2, False, 127, 0, 0.0),
+    (6, 2, True, 150, 32, 0.0), (4, 4, True, 5, 32, 0.0),  # a sliding window: past it, and not yet filled
+    (6, 2, True, 40, 0, 0.5), (6, 2, True, 40, 8, 0.5)])  # soft-capped scores (a cap that bites), and both
+def test_attend_one_matches_reference(n_heads, n_kv, rope, pos, window, softcap):
     d, max_len = 16, 200
     inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     angles = torch.outer(torch.arange(max_len).float(), inv_freq)
@@ -75,9 +77,13 @@ def test_attend_one_matches_reference(n_heads, n_kv, rope, pos):
         q, k = reference.rope_interleaved(q, pos, inv_freq), reference.rope_interleaved(k, pos, inv_freq)
     keys, values = k_cache.clone(), v_cache.clone()
     keys[:, pos], values[:, pos] = k, v
-    expected = reference.attend_one(q, keys[:, : pos + 1], values[:, : pos + 1])
+    expected = reference.attend_one(q, keys[:, : pos + 1], values[:, : pos + 1], window, softcap)
+    if window or softcap:  # the variant really changes the result
+        assert not torch.allclose(expected, reference.attend_one(q, keys[:, : pos + 1], values[:, : pos + 1]),
+                                  atol=1e-3) or pos + 1 <= window
     out = np.empty(n_heads * d, np.float32)
-    cpu.attend_one(qkv.numpy(), pos, cos, sin, k_cache.numpy(), v_cache.numpy(), n_heads, n_kv, d, d**-0.5, rope, out)
+    cpu.attend_one(qkv.numpy(), pos, cos, sin, k_cache.numpy(), v_cache.numpy(), n_heads, n_kv, d, d**-0.5, rope, out,
+                   window, np.float32(softcap))
     torch.testing.assert_close(torch.from_numpy(out), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_cache[:, pos], k, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(v_cache[:, pos], v)

@@ -317,11 +317,11 @@ class Model:
         self._decode_bufs = threading.local()  # per thread: the FFN input at fused decode
         scale = args.attn_scale if args.attn_scale is not None else args.head_dim**-0.5
         self._attn_shape = api.AttentionShape(args.n_heads, args.n_kv_heads, args.head_dim, scale,
-                                              args.position == "rope")
+                                              args.position == "rope", args.attn_softcap or 0.0)
         self._windowed = [args.windowed(i) for i in range(args.n_layers)]
         self._local_rope = [w and args.rope_inv_freq_local is not None for w in self._windowed]
-        # the decode kernels know neither a window nor soft-capping: such layers take torch's path
-        self._kernel_attention = [not w and args.attn_softcap is None for w in self._windowed]
+        # the one-token attention kernel's window per layer (0: the whole context)
+        self._window = [args.sliding_window if w else 0 for w in self._windowed]
 
     def _can_fuse(self, layer: Layer) -> bool:
         """Whether decode can run this layer's attention block in one kernel: a pre-norm,
@@ -379,7 +379,7 @@ class Model:
         qkv = attn.qkv(x.to(w_dev)).to(kv_dev)
         if attn.q_norm is not None:
             qkv = self._norm_qk(qkv, attn)
-        if x.shape[0] == 1 and cache.k_np[layer_idx] is not None and self._kernel_attention[layer_idx]:
+        if x.shape[0] == 1 and cache.k_np[layer_idx] is not None:
             out = self._attend_one(layer_idx, qkv[0], cache, start).unsqueeze(0)
         else:
             out = self._attend_torch(layer_idx, qkv, cache, start)
@@ -432,7 +432,7 @@ class Model:
         cos, sin = self.rope_cos_sin(pos + 1, self._local_rope[layer_idx]) if rope else (_EMPTY_TABLE, _EMPTY_TABLE)
         out = torch.empty(a.q_dim, dtype=torch.float32)
         api.attend_one(qkv.numpy(), self._attn_shape, pos, cos, sin, cache.k_np[layer_idx], cache.v_np[layer_idx],
-                       out.numpy())
+                       out.numpy(), self._window[layer_idx])
         return out
 
     def rope_cos_sin(self, length: int, local: bool = False) -> tuple[np.ndarray, np.ndarray]:

@@ -93,7 +93,7 @@ def _layer(model: Model, i: int, layer: Layer, x: torch.Tensor, caches: list[KVC
             qkv = torch.cat([model._norm_qk(qkv[b:b + 1], layer.attn) for b in range(B)])
         out = []
         for b in range(B):
-            if caches[b].k_np[i] is not None and model._kernel_attention[i]:
+            if caches[b].k_np[i] is not None:
                 out.append(model._attend_one(i, qkv[b], caches[b], pos[b]).unsqueeze(0))
             else:
                 out.append(model._attend_torch(i, qkv[b:b + 1], caches[b], pos[b]))

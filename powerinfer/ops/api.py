@@ -197,6 +197,7 @@ class AttentionShape:
     head_dim: int
     scale: float
     rope: bool
+    softcap: float = 0.0  # attention logit soft-cap (Gemma 2); 0: none
 
 
 def attention_block(w: AttentionWeights, s: AttentionShape, x: np.ndarray, pos: int, cos: np.ndarray,
@@ -208,9 +209,11 @@ def attention_block(w: AttentionWeights, s: AttentionShape, x: np.ndarray, pos: 
 
 
 def attend_one(qkv: np.ndarray, s: AttentionShape, pos: int, cos: np.ndarray, sin: np.ndarray, k_cache: np.ndarray,
-               v_cache: np.ndarray, out: np.ndarray) -> None:
-    """Decode attention for one token from its fused QKV projection (numba)."""
-    cpu.attend_one(qkv, pos, cos, sin, k_cache, v_cache, s.n_heads, s.n_kv_heads, s.head_dim, s.scale, s.rope, out)
+               v_cache: np.ndarray, out: np.ndarray, window: int = 0) -> None:
+    """Decode attention for one token from its fused QKV projection (numba); `window` > 0:
+    the layer sees only its last `window` positions; scores soft-capped by `s.softcap`."""
+    cpu.attend_one(qkv, pos, cos, sin, k_cache, v_cache, s.n_heads, s.n_kv_heads, s.head_dim, s.scale, s.rope, out,
+                   window, np.float32(s.softcap))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -178,12 +178,16 @@ def write_kv(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, rope
 
 
 @njit(fastmath=True, cache=True)
-def attend_head(h, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, out):
+def attend_head(h, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, out, window=0,
+                softcap=0.0):
     """softmax(q_h k^T * scale) v for query head `h` over positions [0, pos], into its slice
-    of `out`; query head h reads KV head h // (n_heads // n_kv) (GQA)."""
+    of `out`; query head h reads KV head h // (n_heads // n_kv) (GQA). `window` > 0: only the
+    last `window` positions (sliding-window layers); `softcap` > 0: scores s become
+    softcap * tanh(s / softcap) (Gemma 2)."""
     half = head_dim // 2
     g = h // (n_heads // n_kv)
     length = pos + 1
+    first = length - window if 0 < window < length else 0
     q = np.empty(head_dim, dtype=np.float32)
     for i in range(half):
         q0 = qkv[h * head_dim + 2 * i]
@@ -197,35 +201,38 @@ def attend_head(h, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim
             q[2 * i + 1] = q1
     scores = np.empty(length, dtype=np.float32)
     top = np.float32(-np.inf)
-    for t in range(length):
+    for t in range(first, length):
         acc = np.float32(0.0)
         for j in range(head_dim):
             acc += q[j] * k_cache[g, t, j]
         acc *= scale
+        if softcap > 0:
+            acc = np.float32(softcap * np.tanh(acc / softcap))
         scores[t] = acc
         if acc > top:
             top = acc
     total = np.float32(0.0)
-    for t in range(length):
+    for t in range(first, length):
         e = np.exp(scores[t] - top)
         scores[t] = e
         total += e
     o = out[h * head_dim : (h + 1) * head_dim]
     o[:] = 0.0
-    for t in range(length):
+    for t in range(first, length):
         p = scores[t] / total
         for j in range(head_dim):
             o[j] += p * v_cache[g, t, j]
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def attend_one(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, out):
+def attend_one(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, out, window, softcap):
     """Decode attention for one token at position `pos`, all in one call.
 
     qkv: the fused projection output [q heads | k heads | v heads]; rotates q and k with
     interleaved RoPE (when `rope`), writes k and v into the caches (kv_heads, max_len,
-    head_dim) at `pos`, and writes softmax(q k^T * scale) v for every query head to `out`.
+    head_dim) at `pos`, and writes softmax(q k^T * scale) v for every query head to `out`
+    (`window`, `softcap`: as attend_head; 0 for none).
     """
     write_kv(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, rope)
     for h in prange(n_heads):
-        attend_head(h, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, out)
+        attend_head(h, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, out, window, softcap)

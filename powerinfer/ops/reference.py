@@ -36,12 +36,20 @@ def rope_interleaved(x: torch.Tensor, pos: int, inv_freq: torch.Tensor) -> torch
     return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
 
 
-def attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """q (heads, d); keys/values (kv_heads, length, d) -> (heads * d), GQA by repetition."""
+def attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
+    """q (heads, d); keys/values (kv_heads, length, d) -> (heads * d), GQA by repetition; only
+    the last `window` positions when > 0; scores soft-capped (cap * tanh(s / cap)) when > 0."""
     group = q.shape[0] // keys.shape[0]
+    if window > 0:
+        keys, values = keys[:, -window:], values[:, -window:]
     k = keys.repeat_interleave(group, 0)
     v = values.repeat_interleave(group, 0)
-    return F.scaled_dot_product_attention(q[:, None], k, v)[:, 0].reshape(-1)
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(q[:, None], k, v)[:, 0].reshape(-1)
+    scores = (q[:, None] @ k.transpose(1, 2)) * q.shape[-1] ** -0.5
+    scores = softcap * torch.tanh(scores / softcap)
+    return (torch.softmax(scores, dim=-1) @ v)[:, 0].reshape(-1)
 
 
 # -- sparse ops: defined densely, then restricted to the active set ---------------------------

@@ -427,6 +427,9 @@ def test_flag_corpus(corpus):
         (["bench", "hybrid", *small, "--hardware", "cpu"], "has no GPU"),
         (["bench", "hybrid", *small, "--vram-fraction", "0.01", "--dir", str(corpus / "d")], "before any neuron"),
         (["bench", "hybrid", "--d-model", "250", "--heads", "4"], "even size"),
+        (["generate", "-m", hf, "--mode", "dense", "-p", "Hi", "--kv-on-gpu"], "--kv-on-gpu needs the packed engine"),
+        (["generate", "-m", hf, "--mode", "sparse", "-p", "Hi"], "has not been prepared"),
+        (["generate", "--packed", str(corpus / "nowhere"), "-p", "Hi"], "no such packed model"),
     ]
     cases += [(f"flag {' '.join(a)[-60:]!r}", a, fragment) for a, fragment in named]
     # outputs aimed at the user's own files and folders: refused before any work, nothing touched

@@ -23,7 +23,9 @@ from powerinfer.ops.activations import activation_id
 from powerinfer.ops.linear import Linear
 from tiny_models import build_tiny
 
-WEIGHTS = ["fp32", "bf16", "fp16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+# fp16 panels run the bf16 panels' code with another widening (each a compile of its own in a
+# clean CI run): bf16 stands for both here; tests/test_panels.py covers fp16 panels
+WEIGHTS = ["fp32", "bf16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
 def weight(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -69,7 +71,7 @@ def test_each_row_equals_the_one_token_gemv(kind, B, threads):
     finally:
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     assert_same(batch, solo, exact=bitwise(kind))
-    assert lin.panels == (kind in ("bf16", "fp16"))
+    assert lin.panels == (kind == "bf16")
 
 
 @pytest.mark.parametrize("kind", WEIGHTS)

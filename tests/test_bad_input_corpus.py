@@ -430,6 +430,8 @@ def test_flag_corpus(corpus):
         (["generate", "-m", hf, "--mode", "dense", "-p", "Hi", "--kv-on-gpu"], "--kv-on-gpu needs the packed engine"),
         (["generate", "-m", hf, "--mode", "sparse", "-p", "Hi"], "has not been prepared"),
         (["generate", "--packed", str(corpus / "nowhere"), "-p", "Hi"], "no such packed model"),
+        (["chat", "-m", hf, "-n", "-1"], "max_tokens"),  # chat checks its flags before the first message
+        (["chat", "-m", hf, "--top-p", "nan"], "top_p"),
     ]
     cases += [(f"flag {' '.join(a)[-60:]!r}", a, fragment) for a, fragment in named]
     # outputs aimed at the user's own files and folders: refused before any work, nothing touched

@@ -68,11 +68,6 @@ def test_chat_survives_a_message_longer_than_the_context(chat_model_dir):
     assert r.stdout == solo.stdout and r.stdout.strip()  # the refused message left no trace
 
 
-def test_chat_checks_its_flags_before_the_first_message(chat_model_dir):
-    assert_clean_error(run_cli("chat", "-m", str(chat_model_dir), "-n", "-1", stdin=""), "max_tokens")
-    assert_clean_error(run_cli("chat", "-m", str(chat_model_dir), "--top-p", "nan", stdin=""), "top_p")
-
-
 def test_bench_outputs_are_checked_before_any_work(tmp_path):
     """A missing folder or an existing file fails at once, not after minutes of benchmark."""
     mine = tmp_path / "mine.png"

@@ -80,7 +80,7 @@ def test_converter_gguf_matches_transformers(name, converted):
     assert list(generate_step(model, tokens.tolist(), Sampler(SamplingParams(temperature=0)), 12)) == want
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("name", ["gemma3"])  # the most decoder options; the Q8_0 kernel is family-blind
 def test_converter_q8_0_native_matches_dequantized(name, converted):
     """The converter's Q8_0 file run on its blocks equals the same file widened to fp32."""
     _, gguf = converted(name, "q8_0")

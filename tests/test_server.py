@@ -310,25 +310,39 @@ def test_prompt_as_token_ids_or_a_batch_of_one(server, model_dir):
     assert texts[0] and texts == [texts[0]] * 4
 
 
-@functools.lru_cache(maxsize=None)
-def long_prompt(base) -> str:
+def long_prompt(base, headers=None) -> str:
     """A prompt the random tiny model does not end early with EOS (so a request stays busy)."""
+    return _long_prompt(base, tuple((headers or {}).items()))
+
+
+@functools.lru_cache(maxsize=None)
+def _long_prompt(base, headers: tuple) -> str:
     for p in ["Long:", "Count forever:", "a b c d", "The", "1 2 3 4 5", "Once upon a time"]:
         r = httpx.post(base + "/v1/completions", json={"model": NAME, "prompt": p, "max_tokens": 1500,
-                                                       "temperature": 0}, timeout=120).json()
+                                                       "temperature": 0}, headers=dict(headers), timeout=120).json()
         if r["usage"]["completion_tokens"] == 1500:
             return p
     pytest.fail("every candidate prompt stops early")
 
 
-def test_full_queue_answers_429(model_dir):
-    proc, base = start_server(model_dir, "--max-batch", "1", "--queue-size", "0")
+def test_full_queue_answers_429_and_the_api_key_is_required(model_dir):
+    proc, base = start_server(model_dir, "--max-batch", "1", "--queue-size", "0", "--api-key", "sekret")
+    auth = {"Authorization": "Bearer sekret"}
     try:
-        body = {"model": NAME, "prompt": long_prompt(base), "max_tokens": 600, "temperature": 0}
+        r = httpx.post(base + "/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        from openai import AuthenticationError
+
+        with pytest.raises(AuthenticationError):
+            client(base, "wrong").completions.create(model=NAME, prompt="x", max_tokens=2)
+        assert client(base, "sekret").completions.create(model=NAME, prompt="x", max_tokens=2, temperature=0)
+        assert httpx.get(base + "/health").status_code == 200
+        prompt = long_prompt(base, auth)
+        body = {"model": NAME, "prompt": prompt, "max_tokens": 600, "temperature": 0}
         responses = [None] * 4
 
         def post(i):
-            responses[i] = httpx.post(base + "/v1/completions", json=body, timeout=120)
+            responses[i] = httpx.post(base + "/v1/completions", json=body, headers=auth, timeout=120)
 
         threads = [threading.Thread(target=post, args=(i,)) for i in range(4)]
         for t in threads:
@@ -340,21 +354,6 @@ def test_full_queue_answers_429(model_dir):
         busy = next(r for r in responses if r.status_code == 429)
         assert busy.json()["error"]["type"] == "rate_limit_error"
         wait_idle(base)
-    finally:
-        stop_server(proc)
-
-
-def test_api_key_is_required(model_dir):
-    proc, base = start_server(model_dir, "--api-key", "sekret")
-    try:
-        r = httpx.post(base + "/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 2})
-        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        from openai import AuthenticationError
-
-        with pytest.raises(AuthenticationError):
-            client(base, "wrong").completions.create(model=NAME, prompt="x", max_tokens=2)
-        assert client(base, "sekret").completions.create(model=NAME, prompt="x", max_tokens=2, temperature=0)
-        assert httpx.get(base + "/health").status_code == 200
     finally:
         stop_server(proc)
 

@@ -29,7 +29,7 @@ from .cpu import STREAMS, _act, attend_head, dot4, row_dot, rms_norm, write_kv
 from .decode import _gated_value
 from .numba_half import widen
 from .panels import in_features
-from .quant import _half, _hi, _lo, _small_row_dot, _u8, dequantize_row, row_dot as quant_row_dot, small_dot4, span_sums
+from .quant import _half, _hi, _lo, _u8, dequantize_row, row_dot as quant_row_dot, span_sums
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -92,36 +92,21 @@ def add_matvec_panels(wp, V, b, X, threads):
 
 @njit(parallel=True, fastmath=True, cache=True)
 def add_matvec_q(w, V, b, X, threads):
-    """X[s] += W V[s] (+ b), W in GGUF blocks. Q4_0, Q4_1, Q8_0: from 2 vectors on, four at a
-    time through one widening of each block (`add_matvec_small_4v`); the other formats from
-    `widen_from` vectors on, each row widened once for all (`add_matvec_widened`); below
-    that, `quant.add_matvec_q` per sequence. The shared paths round differently from the
-    one-vector kernel: a sequence's result then equals its solo result to float rounding."""
+    """X[s] += W V[s] (+ b), W in GGUF blocks, for a batch (B >= 2; one vector takes
+    `quant.add_matvec_q`). Q4_0, Q4_1, Q8_0: four vectors at a time through one widening of
+    each block (`add_matvec_small_4v`); the other formats from `widen_from` vectors on, each
+    row widened once for all (`add_matvec_widened`), below that `quant.row_dot` per sequence.
+    The shared paths round differently from the one-vector kernel: a sequence's result then
+    equals its solo result to float rounding."""
     n, bb = w.shape[0], w.shape[2]
     B, cols = V.shape
-    small = bb == 18 or bb == 20 or bb == 34
-    if small and B >= 2:
+    if bb == 18 or bb == 20 or bb == 34:
         xs = np.empty((B, cols // 32), dtype=np.float32)
         for s in range(B):
             xs[s] = span_sums(V[s], 32)
         add_matvec_small_4v(w, V, xs, X)
-    elif not small and B >= widen_from(bb):
+    elif B >= widen_from(bb):
         add_matvec_widened(w, V, X, threads)
-    elif small:
-        xs = np.empty((B, cols // 32), dtype=np.float32)
-        for s in range(B):
-            xs[s] = span_sums(V[s], 32)
-        q = n // 4
-        for i in prange(q):
-            for s in range(B):
-                a0, a1, a2, a3 = small_dot4(w, i, i + q, i + 2 * q, i + 3 * q, V[s], xs[s])
-                X[s, i] += a0
-                X[s, i + q] += a1
-                X[s, i + 2 * q] += a2
-                X[s, i + 3 * q] += a3
-        for i in range(4 * q, n):
-            for s in range(B):
-                X[s, i] += _small_row_dot(w, i, V[s], xs[s])
     else:
         xs = np.empty((B, cols // 32), dtype=np.float32)
         xs16 = np.empty((B, cols // 16), dtype=np.float32)

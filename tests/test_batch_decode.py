@@ -41,11 +41,12 @@ def vectors(B: int, n: int, seed: int) -> torch.Tensor:
 
 
 def bitwise(kind: str) -> bool:
-    """Whether a batch's rows equal the one-vector kernel's bit for bit. For GGUF blocks they
-    equal it to float rounding: from `widen_from` vectors on the batch kernel widens rows (other
-    rounding), and below it the block dots it shares with the one-vector kernel are called, not
-    inlined, so a cached and a freshly compiled kernel may round one step differently."""
-    return kind in ("fp32", "bf16", "fp16")
+    """Whether a batch's rows equal the one-vector kernel's bit for bit: float weights, and
+    Q4_0/Q4_1/Q8_0 blocks (block_ir runs every (row, vector) dot alike). The other GGUF
+    formats equal it to float rounding: from `widen_from` vectors on the batch kernel widens
+    rows (other rounding), and below it the block dots it shares with the one-vector kernel
+    are called, not inlined, so a cached and a freshly compiled kernel may round differently."""
+    return kind in ("fp32", "bf16", "fp16", "Q4_0", "Q4_1", "Q8_0")
 
 
 def assert_same(batch: torch.Tensor, solo: torch.Tensor, exact: bool) -> None:
@@ -133,9 +134,9 @@ def test_families_decode_in_a_batch_as_alone(tmp_path, name):
 
 @pytest.mark.parametrize("dtype", ["native", "bf16"])
 def test_default_model_decodes_in_a_batch_as_alone(smollm2_path, dtype):
-    """Its own Q4_1 blocks, and bf16 panels."""
+    """Its own Q4_1 blocks (Q8_0 embeddings), and bf16 panels: both bit for bit."""
     lm = powerinfer.load(smollm2_path, dtype=dtype)
-    check_batch_equals_solo(lm.model, lm.args.vocab_size, exact=dtype != "native")
+    check_batch_equals_solo(lm.model, lm.args.vocab_size, exact=True)
 
 
 def test_decode_step_refuses_shared_or_full_caches(smollm2_path):

@@ -29,6 +29,7 @@ from .cpu import STREAMS, _act, attend_head, dot4, row_dot, rms_norm, write_kv
 from .decode import _gated_value
 from .numba_half import widen
 from .panels import in_features
+from .block_ir import dot_vecs4
 from .quant import _half, _hi, _lo, _u8, dequantize_row, row_dot as quant_row_dot, span_sums
 
 
@@ -305,101 +306,23 @@ def add_matvec_widened(w, V, X, threads):
             X[s, r] += row_dot(f, 0, V[s])
 
 
-@njit(fastmath=True)
-def _nibble_dot_4v(w, r, b, off, v0, v1, v2, v3):
-    """The 32 nibbles of block b of row r (Q4_0 from byte 2, Q4_1 from byte 4) dotted with
-    four vectors, each nibble widened once. Unsigned offsets so that LLVM sees contiguous
-    loads (see quant._q4_k_nibbles)."""
-    base, o = np.uint64(32 * b), np.uint64(off)
-    a0 = a1 = a2 = a3 = np.float32(0.0)
-    for j in range(np.uint64(16)):
-        q = w[r, b, o + j]
-        lo, hi = _lo(q), _hi(q)
-        k, k2 = base + j, base + np.uint64(16) + j
-        a0 += lo * v0[k] + hi * v0[k2]
-        a1 += lo * v1[k] + hi * v1[k2]
-        a2 += lo * v2[k] + hi * v2[k2]
-        a3 += lo * v3[k] + hi * v3[k2]
-    return a0, a1, a2, a3
-
-
-@njit(fastmath=True)
-def _q8_0_dot_4v(w, r, b, v0, v1, v2, v3):
-    """The 32 int8 values of Q8_0 block b of row r dotted with four vectors."""
-    base = np.uint64(32 * b)
-    a0 = a1 = a2 = a3 = np.float32(0.0)
-    for j in range(np.uint64(32)):
-        u = _u8(w[r, b, np.uint64(2) + j])
-        x = u - np.float32(256.0) if u >= np.float32(128.0) else u
-        k = base + j
-        a0 += x * v0[k]
-        a1 += x * v1[k]
-        a2 += x * v2[k]
-        a3 += x * v3[k]
-    return a0, a1, a2, a3
-
-
-def _small_4v_kernel(bb: int):
-    """The four-vector GEMV for one format (block bytes `bb`: 18 Q4_0, 20 Q4_1, 34 Q8_0),
-    the format fixed at compile time: a format branch inside the block loop kept LLVM from
-    vectorising it (4x slower, measured)."""
-
-    @njit(parallel=True, fastmath=True, cache=True)
-    def kernel(w, V, xs, X):
-        n, nb = w.shape[0], w.shape[1]
-        B = V.shape[0]
-        last = B - 1
-        eight = np.float32(8.0)
-        for i in prange(n):
-            for s in range(0, B, 4):
-                # a last group of fewer than four repeats its last vector (cheaper than one at a time)
-                s1, s2, s3 = min(s + 1, last), min(s + 2, last), min(s + 3, last)
-                v0, v1, v2, v3 = V[s], V[s1], V[s2], V[s3]
-                a0 = a1 = a2 = a3 = np.float32(0.0)
-                for b in range(nb):
-                    d = _half(w[i, b, 0], w[i, b, 1])
-                    if bb == 20:
-                        m = _half(w[i, b, 2], w[i, b, 3])
-                        p0, p1, p2, p3 = _nibble_dot_4v(w, i, b, 4, v0, v1, v2, v3)
-                        a0 += d * p0 + m * xs[s, b]
-                        a1 += d * p1 + m * xs[s1, b]
-                        a2 += d * p2 + m * xs[s2, b]
-                        a3 += d * p3 + m * xs[s3, b]
-                    elif bb == 18:
-                        p0, p1, p2, p3 = _nibble_dot_4v(w, i, b, 2, v0, v1, v2, v3)
-                        a0 += d * (p0 - eight * xs[s, b])
-                        a1 += d * (p1 - eight * xs[s1, b])
-                        a2 += d * (p2 - eight * xs[s2, b])
-                        a3 += d * (p3 - eight * xs[s3, b])
-                    else:
-                        p0, p1, p2, p3 = _q8_0_dot_4v(w, i, b, v0, v1, v2, v3)
-                        a0 += d * p0
-                        a1 += d * p1
-                        a2 += d * p2
-                        a3 += d * p3
-                X[s, i] += a0
-                if s + 1 < B:
-                    X[s1, i] += a1
-                if s + 2 < B:
-                    X[s2, i] += a2
-                if s + 3 < B:
-                    X[s3, i] += a3
-
-    return kernel
-
-
-_q4_0_4v, _q4_1_4v, _q8_0_4v = _small_4v_kernel(18), _small_4v_kernel(20), _small_4v_kernel(34)
-
-
-@njit(fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True)
 def add_matvec_small_4v(w, V, xs, X):
     """X[s] += W V[s] for W in Q4_0/Q4_1/Q8_0 blocks, four vectors per pass over a row (each
     block widened once for the four: register blocking; the one-vector GEMV is bound by the
-    widening, so four vectors cost little more than one). xs[s] holds V[s]'s 32-sums."""
-    bb = w.shape[2]
-    if bb == 20:
-        _q4_1_4v(w, V, xs, X)
-    elif bb == 18:
-        _q4_0_4v(w, V, xs, X)
-    else:
-        _q8_0_4v(w, V, xs, X)
+    widening, so four vectors cost little more than one). xs[s] holds V[s]'s 32-sums. Each
+    (row, vector) dot runs as in the one-vector GEMV (block_ir), so the rows equal solo."""
+    n, B = w.shape[0], V.shape[0]
+    last = B - 1
+    for i in prange(n):
+        for s in range(0, B, 4):
+            # a last group of fewer than four repeats its last vector (cheaper than one at a time)
+            s1, s2, s3 = min(s + 1, last), min(s + 2, last), min(s + 3, last)
+            a0, a1, a2, a3 = dot_vecs4(w, i, V, s, s1, s2, s3, xs)
+            X[s, i] += a0
+            if s + 1 < B:
+                X[s1, i] += a1
+            if s + 2 < B:
+                X[s2, i] += a2
+            if s + 3 < B:
+                X[s3, i] += a3

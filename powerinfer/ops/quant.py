@@ -37,6 +37,8 @@ import numba
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from .block_ir import dot_row, dot_rows4
+
 # format name -> (weights per block, bytes per block)
 FORMATS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24),
            "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
@@ -147,26 +149,6 @@ def span_sums(v, span):
 
 
 @njit(fastmath=True)
-def _nibble_dot(w, r, b, off, v, base):
-    """sum over a block's 32 nibbles q (16 bytes from `off`: 2 in Q4_0, 4 in Q4_1) of
-    q * v[base:]; low nibbles are weights 0-15, high ones 16-31."""
-    acc = np.float32(0.0)
-    for j in range(16):
-        q = w[r, b, off + j]
-        acc += _lo(q) * v[base + j] + _hi(q) * v[base + 16 + j]
-    return acc
-
-
-@njit(fastmath=True)
-def _q8_0_dot(w, r, b, v, base):
-    acc = np.float32(0.0)
-    for j in range(32):  # int8 as uint8 minus 256 where negative: the form LLVM vectorises
-        u = _u8(w[r, b, 2 + j])
-        acc += (u - np.float32(256.0) if u >= np.float32(128.0) else u) * v[base + j]
-    return acc
-
-
-@njit(fastmath=True)
 def _q4_k_nibbles(w, r, b, p, v, base):
     """(sum lo(q) v[base + l], sum hi(q) v[base + 32 + l]) over the 32 bytes of pair p of a
     Q4_K block: sub-block 2p is their low nibbles, 2p + 1 their high ones."""
@@ -231,56 +213,6 @@ def _q6_k_block_dot(w, r, b, v, xs16):
     return acc
 
 
-@njit(fastmath=True)
-def small_dot4(w, r0, r1, r2, r3, v, xs):
-    """Rows r0..r3 (Q4_0, Q4_1, Q8_0) dotted with v in one pass over v's blocks; xs: v's
-    block sums. The block dots are called, not inlined: so they vectorise."""
-    nb, bb = w.shape[1], w.shape[2]
-    a0 = a1 = a2 = a3 = np.float32(0.0)
-    if bb == 20:
-        for blk in range(nb):
-            base, s = 32 * blk, xs[blk]
-            a0 += _half(w[r0, blk, 0], w[r0, blk, 1]) * _nibble_dot(w, r0, blk, 4, v, base) + _half(w[r0, blk, 2], w[r0, blk, 3]) * s
-            a1 += _half(w[r1, blk, 0], w[r1, blk, 1]) * _nibble_dot(w, r1, blk, 4, v, base) + _half(w[r1, blk, 2], w[r1, blk, 3]) * s
-            a2 += _half(w[r2, blk, 0], w[r2, blk, 1]) * _nibble_dot(w, r2, blk, 4, v, base) + _half(w[r2, blk, 2], w[r2, blk, 3]) * s
-            a3 += _half(w[r3, blk, 0], w[r3, blk, 1]) * _nibble_dot(w, r3, blk, 4, v, base) + _half(w[r3, blk, 2], w[r3, blk, 3]) * s
-    elif bb == 18:
-        for blk in range(nb):
-            base, e = 32 * blk, np.float32(8.0) * xs[blk]
-            a0 += _half(w[r0, blk, 0], w[r0, blk, 1]) * (_nibble_dot(w, r0, blk, 2, v, base) - e)
-            a1 += _half(w[r1, blk, 0], w[r1, blk, 1]) * (_nibble_dot(w, r1, blk, 2, v, base) - e)
-            a2 += _half(w[r2, blk, 0], w[r2, blk, 1]) * (_nibble_dot(w, r2, blk, 2, v, base) - e)
-            a3 += _half(w[r3, blk, 0], w[r3, blk, 1]) * (_nibble_dot(w, r3, blk, 2, v, base) - e)
-    else:
-        for blk in range(nb):
-            base = 32 * blk
-            a0 += _half(w[r0, blk, 0], w[r0, blk, 1]) * _q8_0_dot(w, r0, blk, v, base)
-            a1 += _half(w[r1, blk, 0], w[r1, blk, 1]) * _q8_0_dot(w, r1, blk, v, base)
-            a2 += _half(w[r2, blk, 0], w[r2, blk, 1]) * _q8_0_dot(w, r2, blk, v, base)
-            a3 += _half(w[r3, blk, 0], w[r3, blk, 1]) * _q8_0_dot(w, r3, blk, v, base)
-    return a0, a1, a2, a3
-
-
-@njit(fastmath=True)
-def _small_row_dot(w, r, v, xs):
-    """Row r (Q4_0, Q4_1, Q8_0) dotted with v: per block, sum((q - 8) d x) =
-    d (sum(q x) - 8 sum(x)) and sum((q d + m) x) = d sum(q x) + m sum(x), the block sums of x
-    (xs) taken once per call, so the inner loop is a multiply-add per weight. Called, not
-    inlined: the block dots then vectorise (docs/BENCHMARKS.md, "quantized GEMV")."""
-    nb, bb = w.shape[1], w.shape[2]
-    acc = np.float32(0.0)
-    if bb == 18:
-        for b in range(nb):
-            acc += _half(w[r, b, 0], w[r, b, 1]) * (_nibble_dot(w, r, b, 2, v, 32 * b) - np.float32(8.0) * xs[b])
-    elif bb == 20:
-        for b in range(nb):
-            acc += _half(w[r, b, 0], w[r, b, 1]) * _nibble_dot(w, r, b, 4, v, 32 * b) + _half(w[r, b, 2], w[r, b, 3]) * xs[b]
-    else:
-        for b in range(nb):
-            acc += _half(w[r, b, 0], w[r, b, 1]) * _q8_0_dot(w, r, b, v, 32 * b)
-    return acc
-
-
 @njit(inline="always", fastmath=True)
 def _dequant_small_block(w, r, b, out, base):
     """Block b of row r (Q4_0, Q4_1, Q8_0) as 32 fp32 values at out[base:]."""
@@ -316,7 +248,7 @@ def row_dot(w, r, v, xs, xs16, scratch):
     dequantization (Q5_0, Q5_1, Q5_K)."""
     bb = w.shape[2]
     if bb == 18 or bb == 20 or bb == 34:
-        return _small_row_dot(w, r, v, xs)
+        return dot_row(w, r, v, xs)
     acc = np.float32(0.0)
     if bb == 144:
         for b in range(w.shape[1]):
@@ -344,13 +276,13 @@ def add_matvec_q(w, v, b, x, threads):
         xs = span_sums(v, 32)
         q = n // 4
         for i in prange(q):  # rows i, i+q, i+2q, i+3q: four streams, each block of v read once
-            a0, a1, a2, a3 = small_dot4(w, i, i + q, i + 2 * q, i + 3 * q, v, xs)
+            a0, a1, a2, a3 = dot_rows4(w, i, i + q, i + 2 * q, i + 3 * q, v, xs)
             x[i] += a0
             x[i + q] += a1
             x[i + 2 * q] += a2
             x[i + 3 * q] += a3
         for i in range(4 * q, n):
-            x[i] += _small_row_dot(w, i, v, xs)
+            x[i] += dot_row(w, i, v, xs)
     else:  # one row at a time: block dots (K-quants) or a widened row (Q5 formats)
         xs, xs16 = span_sums(v, 32), span_sums(v, 16)
         scratch = np.empty((threads, cols), dtype=np.float32)  # one per worker thread

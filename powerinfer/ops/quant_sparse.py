@@ -15,7 +15,8 @@ from numba import njit, prange
 
 from .cpu import _act, gated_value
 from .criterion import GATE
-from .quant import _half, _u8, row_dot, small_dot4, span_sums
+from .block_ir import dot_rows4
+from .quant import _half, _u8, row_dot, span_sums
 
 
 @njit(fastmath=True)
@@ -48,8 +49,8 @@ def ffn_rows_q(w_in, w_up, wt_down, x, idx, gated, b_in, act_id, up_act_id, crit
             if small and gated and criterion != GATE:  # four neurons per pass over x (up rows read anyway)
                 while first + 4 <= hi:
                     r0, r1, r2, r3 = idx[first], idx[first + 1], idx[first + 2], idx[first + 3]
-                    g0, g1, g2, g3 = small_dot4(w_in, r0, r1, r2, r3, v, xs)
-                    u0, u1, u2, u3 = small_dot4(w_up, r0, r1, r2, r3, v, xs)
+                    g0, g1, g2, g3 = dot_rows4(w_in, r0, r1, r2, r3, v, xs)
+                    u0, u1, u2, u3 = dot_rows4(w_up, r0, r1, r2, r3, v, xs)
                     h[t, first] = gated_value(_act(g0, act_id), u0, up_act_id, criterion, threshold)
                     h[t, first + 1] = gated_value(_act(g1, act_id), u1, up_act_id, criterion, threshold)
                     h[t, first + 2] = gated_value(_act(g2, act_id), u2, up_act_id, criterion, threshold)

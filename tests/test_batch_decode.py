@@ -40,21 +40,8 @@ def vectors(B: int, n: int, seed: int) -> torch.Tensor:
     return torch.randn(B, n, generator=torch.Generator().manual_seed(seed))
 
 
-def bitwise(kind: str) -> bool:
-    """Whether a batch's rows equal the one-vector kernel's bit for bit: float weights, and
-    Q4_0/Q4_1/Q8_0 blocks (block_ir runs every (row, vector) dot alike). The other GGUF
-    formats equal it to float rounding: from `widen_from` vectors on the batch kernel widens
-    rows (other rounding), and below it the block dots it shares with the one-vector kernel
-    are called, not inlined, so a cached and a freshly compiled kernel may round differently."""
-    return kind in ("fp32", "bf16", "fp16", "Q4_0", "Q4_1", "Q8_0")
-
-
-def assert_same(batch: torch.Tensor, solo: torch.Tensor, exact: bool) -> None:
-    if exact:
-        assert torch.equal(batch, solo), (batch - solo).abs().max()
-    else:
-        scale = float(solo.abs().max())  # random K-quant blocks give outputs of 1e4: cancellation
-        torch.testing.assert_close(batch, solo, atol=2e-4 + 1e-5 * scale, rtol=1e-4)
+def assert_same(batch: torch.Tensor, solo: torch.Tensor) -> None:
+    assert torch.equal(batch, solo), (batch - solo).abs().max()
 
 
 @pytest.mark.parametrize("kind", WEIGHTS)
@@ -62,7 +49,7 @@ def assert_same(batch: torch.Tensor, solo: torch.Tensor, exact: bool) -> None:
 def test_each_row_equals_the_one_token_gemv(kind, B, threads):
     """Rows (fp32), panels (bf16/fp16 at 512 columns) and every GGUF format; bias and
     residual; an odd row count (the leftover rows after the four-stream split). Exactly equal,
-    for float weights; to rounding for GGUF blocks (see `bitwise`)."""
+    for every format (GGUF blocks: block_ir runs every (row, vector) dot alike)."""
     lin = Linear(weight(kind, 67, 512, 1), torch.randn(67))
     x, res = vectors(B, 512, 2), vectors(B, 67, 3)
     numba.set_num_threads(threads)
@@ -71,7 +58,7 @@ def test_each_row_equals_the_one_token_gemv(kind, B, threads):
         solo = torch.cat([lin(x[b:b + 1], residual=res[b:b + 1]) for b in range(B)])
     finally:
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
-    assert_same(batch, solo, exact=bitwise(kind))
+    assert_same(batch, solo)
     assert lin.panels == (kind == "bf16")
 
 
@@ -90,7 +77,7 @@ def test_batched_dense_ffn_equals_the_one_token_kernel(kind, gated, B):
     for b in range(B):
         decode.dense_ffn(H[b], w_in, b_in, w_out, b_out, gated, act, -1, 0, np.float32(0.0), solo[b], panels.threads())
     batch_decode.dense_ffn(H, w_in, b_in, w_out, b_out, gated, act, -1, 0, np.float32(0.0), X, panels.threads())
-    assert_same(torch.from_numpy(X), torch.from_numpy(solo), exact=bitwise(kind))
+    assert_same(torch.from_numpy(X), torch.from_numpy(solo))
 
 
 def _solo_logits(model, prompt: list[int], steps: list[int]) -> list[torch.Tensor]:
@@ -99,10 +86,10 @@ def _solo_logits(model, prompt: list[int], steps: list[int]) -> list[torch.Tenso
     return [model.forward(torch.tensor([t]), cache) for t in steps]
 
 
-def check_batch_equals_solo(model, vocab: int, seed: int = 0, exact: bool = True) -> None:
+def check_batch_equals_solo(model, vocab: int, seed: int = 0) -> None:
     """Sequences with prompts of different lengths decode together, a fourth joins after two
-    steps and the first leaves after four: every row equals the sequence decoded alone
-    (`exact=False`: to float rounding, for GGUF blocks, see `bitwise`)."""
+    steps and the first leaves after four: every row equals the sequence decoded alone, bit
+    for bit."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, vocab, n).tolist() for n in (5, 1, 9, 3)]
     feeds = [rng.integers(3, vocab, 6).tolist() for _ in prompts]
@@ -119,10 +106,7 @@ def check_batch_equals_solo(model, vocab: int, seed: int = 0, exact: bool = True
         seqs = sorted(members)
         rows = model.decode([feeds[s][members[s]] for s in seqs], [caches[s] for s in seqs])
         for s, row in zip(seqs, rows):
-            if exact:
-                assert torch.equal(row, solo[s][members[s]]), (s, members[s], (row - solo[s][members[s]]).abs().max())
-            else:
-                torch.testing.assert_close(row, solo[s][members[s]], atol=1e-3, rtol=1e-4)
+            assert torch.equal(row, solo[s][members[s]]), (s, members[s], (row - solo[s][members[s]]).abs().max())
             members[s] += 1
 
 
@@ -136,7 +120,7 @@ def test_families_decode_in_a_batch_as_alone(tmp_path, name):
 def test_default_model_decodes_in_a_batch_as_alone(smollm2_path, dtype):
     """Its own Q4_1 blocks (Q8_0 embeddings), and bf16 panels: both bit for bit."""
     lm = powerinfer.load(smollm2_path, dtype=dtype)
-    check_batch_equals_solo(lm.model, lm.args.vocab_size, exact=True)
+    check_batch_equals_solo(lm.model, lm.args.vocab_size)
 
 
 def test_decode_step_refuses_shared_or_full_caches(smollm2_path):
@@ -152,7 +136,7 @@ def test_decode_step_refuses_shared_or_full_caches(smollm2_path):
 # -- the engine loop -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def lm(smollm2_path):
-    """bf16 panels: batched rows equal solo ones bit for bit (see `bitwise`)."""
+    """bf16 panels: batched rows equal solo ones bit for bit."""
     return powerinfer.load(smollm2_path, dtype="bf16")
 
 

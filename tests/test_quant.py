@@ -4,6 +4,10 @@ the dense engine on the default model's own Q4_1/Q8_0 weights against the fp32 p
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numba
 import numpy as np
 import pytest
@@ -58,6 +62,35 @@ def test_gemv_matches_reference(fmt, rows, cols, threads):
     finally:
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     torch.testing.assert_close(torch.from_numpy(out), reference.gemv(dense, x, b, res), atol=2e-4, rtol=1e-4)
+
+
+AVX2_ONLY = {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx,+avx2,+fma,+f16c,+sse4.2,+popcnt,-avx512f,-avx512vl,-avx512bw"}
+AVX2_CHECK = """
+import numpy as np, torch, sys
+from powerinfer.ops import cpu, quant
+sys.path.insert(0, "tests")
+from test_quant import quantized
+for fmt in quant.FORMATS:
+    t = quantized(35, 512, fmt, seed=3)
+    v = np.random.default_rng(1).standard_normal(512).astype(np.float32)
+    y = np.zeros(35, np.float32)
+    quant.add_matvec_q(t.numpy(), v, cpu.NO_BIAS, y, 2)
+    want = quant.dequantize(t).numpy() @ v
+    assert np.allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()), (fmt, np.abs(y - want).max())
+asm = "".join(quant.add_matvec_q.inspect_asm().values())
+assert "ymm" in asm and "zmm" not in asm
+print("ok")
+"""
+
+
+def test_block_dots_compiled_for_an_avx2_only_cpu(tmp_path):
+    """Machines differ (some AVX-512, some AVX2 only) and numba compiles for the host: the
+    GEMV compiled for an AVX2-only CPU (no 512-bit registers in its code) matches the
+    reference on every format."""
+    env = {**os.environ, **AVX2_ONLY, "NUMBA_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -6,21 +6,16 @@ the weights stream past once; torch's GEMM would widen half or quantized weights
 round differently. Each kernel here repeats, per sequence, exactly the arithmetic of its
 one-token twin (`cpu.add_matvec`, `panels.add_matvec_panels`, `quant.add_matvec_q`,
 `decode.attention_block`, `decode.dense_ffn`): the same row helpers, row grouping and
-accumulation order. For float weights a sequence's logits are therefore bit for bit those
-of its solo decode, whatever else is in the batch (a server returns each greedy request's
-solo output; tests/test_batch_decode.py checks equality). GGUF blocks differ in two ways:
-from `widen_from` sequences on, each row is widened once to fp32 and dotted with every
-vector (the block dots are compute-bound, so batching them per vector gains little), which
-rounds differently; and the block dots are called, not inlined (so that they vectorise), so
-a kernel loaded from numba's cache and one compiled in this process may round one step
-apart. Their batched rows equal solo ones to float rounding.
+accumulation order (GGUF blocks: block_ir's dots, alike for one vector or four). A
+sequence's logits are therefore bit for bit those of its solo decode, whatever else is in
+the batch (a server returns each greedy request's solo output; tests/test_batch_decode.py
+checks equality).
 
 Shapes: V, X, H are (B, features) fp32 row-major; weights as the one-token kernels take them.
 """
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
@@ -29,8 +24,7 @@ from .cpu import STREAMS, _act, attend_head, dot4, row_dot, rms_norm, write_kv
 from .decode import _gated_value
 from .numba_half import widen
 from .panels import in_features
-from .block_ir import dot_vecs4
-from .quant import _half, _hi, _lo, _u8, dequantize_row, row_dot as quant_row_dot, span_sums
+from .block_ir import block_sums, dot_vecs4
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -91,46 +85,21 @@ def add_matvec_panels(wp, V, b, X, threads):
                     X[s, i] += b[i]
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(fastmath=True, cache=True)
 def add_matvec_q(w, V, b, X, threads):
     """X[s] += W V[s] (+ b), W in GGUF blocks, for a batch (B >= 2; one vector takes
-    `quant.add_matvec_q`). Q4_0, Q4_1, Q8_0: four vectors at a time through one widening of
-    each block (`add_matvec_small_4v`); the other formats from `widen_from` vectors on, each
-    row widened once for all (`add_matvec_widened`), below that `quant.row_dot` per sequence.
-    The shared paths round differently from the one-vector kernel: a sequence's result then
-    equals its solo result to float rounding."""
-    n, bb = w.shape[0], w.shape[2]
+    `quant.add_matvec_q`): four vectors at a time through one widening of each block
+    (`add_matvec_4v`)."""
     B, cols = V.shape
-    if bb == 18 or bb == 20 or bb == 34:
-        xs = np.empty((B, cols // 32), dtype=np.float32)
-        for s in range(B):
-            xs[s] = span_sums(V[s], 32)
-        add_matvec_small_4v(w, V, xs, X)
-    elif B >= widen_from(bb):
-        add_matvec_widened(w, V, X, threads)
-    else:
-        xs = np.empty((B, cols // 32), dtype=np.float32)
-        xs16 = np.empty((B, cols // 16), dtype=np.float32)
-        for s in range(B):
-            xs[s] = span_sums(V[s], 32)
-            xs16[s] = span_sums(V[s], 16)
-        scratch = np.empty((threads, cols), dtype=np.float32)
-        for i in prange(n):
-            for s in range(B):
-                X[s, i] += quant_row_dot(w, i, V[s], xs[s], xs16[s], scratch[numba.get_thread_id()])
+    xs = np.empty((B, cols // 32), dtype=np.float32)
+    for s in range(B):
+        xs[s] = block_sums(V[s])
+    add_matvec_4v(w, V, xs, X)
+    n = w.shape[0]
     if b.shape[0] > 0:
         for k in range(n):
             for s in range(B):
                 X[s, k] += b[k]
-
-
-@njit(inline="always")
-def widen_from(bb):
-    """For the formats without a four-vector block dot: the batch size from which widening
-    each row once beats the per-vector block dots (measured, docs/BENCHMARKS.md "batched
-    decode"): 4 for Q4_K, 8 for Q6_K, 2 for the Q5 formats (whose one-vector dot widens the
-    row anyway)."""
-    return 4 if bb == 144 else (8 if bb == 210 else 2)
 
 
 def matvec_into(w, V, b, X, threads):  # pragma: no cover - only its numba overload runs
@@ -236,31 +205,6 @@ def attention_out(ATT, wo, bo, X, ffn_norm_w, eps, H_out, threads):
         rms_norm(X[s], ffn_norm_w, eps, H_out[s])
 
 
-@njit(fastmath=True)
-def widen_row(w, r, out):
-    """Row r of GGUF blocks as fp32 into out: Q4_0/Q4_1/Q8_0 here with unsigned offsets (numba's
-    negative-index fix-up on signed ones keeps LLVM from vectorising the stores), the other
-    formats through quant.dequantize_row."""
-    bb = w.shape[2]
-    if bb != 18 and bb != 20 and bb != 34:
-        dequantize_row(w, r, out)
-        return
-    for b in range(w.shape[1]):
-        d = _half(w[r, b, 0], w[r, b, 1])
-        base = np.uint64(32 * b)
-        if bb == 34:
-            for j in range(np.uint64(32)):
-                u = _u8(w[r, b, np.uint64(2) + j])
-                out[base + j] = d * (u - np.float32(256.0) if u >= np.float32(128.0) else u)
-        else:
-            off = np.uint64(2 if bb == 18 else 4)
-            m = np.float32(-8.0) * d if bb == 18 else _half(w[r, b, 2], w[r, b, 3])
-            for j in range(np.uint64(16)):
-                q = w[r, b, off + j]
-                out[base + j] = d * _lo(q) + m
-                out[base + np.uint64(16) + j] = d * _hi(q) + m
-
-
 @njit(parallel=True, fastmath=True, cache=True)
 def attend(QKV, pos, cos, sin, k_caches, v_caches, n_heads, n_kv, head_dim, scale, rope, ATT):
     """Decode attention for B sequences in one call: sequence s's token at position pos[s]
@@ -277,38 +221,9 @@ def attend(QKV, pos, cos, sin, k_caches, v_caches, n_heads, n_kv, head_dim, scal
                     ATT[s])
 
 
-# -- GGUF blocks for several vectors: each row widened once, dotted with every vector -------
 @njit(parallel=True, fastmath=True, cache=True)
-def add_matvec_widened(w, V, X, threads):
-    """X[s] += W V[s] for W in GGUF blocks: rows i, i+q, i+2q, i+3q per step (four streams,
-    as the one-vector kernel), widened to fp32 into a per-thread buffer that stays in L1, then
-    dotted with every vector by the fp32 row kernel. Widening is the costly part of a
-    quantized GEMV; here it is paid once for the batch instead of once per vector."""
-    n = w.shape[0]
-    B = V.shape[0]
-    q = n // 4
-    buf = np.empty((threads, 4, in_features(w)), dtype=np.float32)
-    for step in prange(q):
-        i = np.int64(step)
-        f = buf[numba.get_thread_id()]
-        for k in range(4):
-            widen_row(w, i + k * q, f[k])
-        for s in range(B):
-            a0, a1, a2, a3 = dot4(f, 0, 1, 2, 3, V[s])
-            X[s, i] += a0
-            X[s, i + q] += a1
-            X[s, i + 2 * q] += a2
-            X[s, i + 3 * q] += a3
-    f = buf[0]
-    for r in range(4 * q, n):
-        widen_row(w, r, f[0])
-        for s in range(B):
-            X[s, r] += row_dot(f, 0, V[s])
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def add_matvec_small_4v(w, V, xs, X):
-    """X[s] += W V[s] for W in Q4_0/Q4_1/Q8_0 blocks, four vectors per pass over a row (each
+def add_matvec_4v(w, V, xs, X):
+    """X[s] += W V[s] for W in GGUF blocks (any format), four vectors per pass over a row (each
     block widened once for the four: register blocking; the one-vector GEMV is bound by the
     widening, so four vectors cost little more than one). xs[s] holds V[s]'s 32-sums. Each
     (row, vector) dot runs as in the one-vector GEMV (block_ir), so the rows equal solo."""

@@ -1,11 +1,14 @@
-"""GGUF block dots written as LLVM vector IR (numba intrinsics), for Q4_0, Q4_1 and Q8_0.
+"""GGUF block dots written as LLVM vector IR (numba intrinsics), for every block format.
 
 Hand-written because no library gives numba a quantized dot product, and numba's own loops
 reduce each 32-weight block to a scalar before the next (a horizontal sum per block, which
 bound the old kernels at 12-15 G weights/s). Here every (row, vector) pair keeps a 16-lane
 fp32 accumulator across the whole row, as ggml's kernels do, and reduces it once at the end:
-per block, the nibbles (or int8 values) are widened to fp32 lanes in vector IR,
-multiplied by the activations, and added with the block's scale broadcast. The activations
+per block, the quants (nibbles, 5-bit and 6-bit values from their bit planes, int8) are
+widened to fp32 lanes in vector IR, multiplied by the activations, and added with their
+(sub-)block's scale broadcast; per-(sub-)block offsets (Q4_1, Q5_1, the K-quants' mins)
+multiply precomputed sums of 32 activations. Additions are not reassociated (only fused),
+so a dot rounds alike wherever it is inlined. The activations
 stay fp32 (not quantized to int8 as llama.cpp does), so a dot equals the
 dequantize-then-fp32 reference to float rounding; LLVM compiles the IR for the host (AVX2
 or AVX-512), as numba does. Measured numbers: docs/BENCHMARKS.md, "Quantized GEMV".
@@ -19,6 +22,7 @@ for bit.
 from __future__ import annotations
 
 from llvmlite import ir
+import numpy as np
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -26,7 +30,8 @@ from numba.extending import intrinsic
 _F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
 _LANES = 16
 _VF = ir.VectorType(_F32, _LANES)
-_FAST = ("fast",)
+_FAST = ("contract",)  # FMAs, no reassociation: every context rounds alike
+_REASSOC = ("fast",)
 
 
 def _const_i64(k: int) -> ir.Constant:
@@ -43,36 +48,116 @@ def _load_half(builder: ir.IRBuilder, p: ir.Value, offset: int) -> ir.Value:
     return builder.fpext(builder.load(ptr, align=1), _F32)
 
 
-def _widen_block(builder: ir.IRBuilder, p: ir.Value, bb: int) -> tuple[ir.Value, ir.Value]:
-    """A block's 32 quants (before the scale, and Q4_1's offset) as two 16-lane fp32 vectors:
-    weights 0-15 and 16-31. Q4_0/Q4_1: low nibbles are 0-15, high nibbles 16-31; Q8_0: int8."""
-    if bb == 34:
-        ptr = builder.bitcast(builder.gep(p, [_const_i64(2)]), ir.VectorType(_I8, 32).as_pointer())
-        q = builder.sitofp(builder.load(ptr, align=1), ir.VectorType(_F32, 32))
-        first = ir.Constant(ir.VectorType(_I32, _LANES), list(range(_LANES)))
-        second = ir.Constant(ir.VectorType(_I32, _LANES), list(range(_LANES, 32)))
-        return builder.shuffle_vector(q, q, first), builder.shuffle_vector(q, q, second)
-    bytes16 = ir.VectorType(_I8, 16)
-    ptr = builder.bitcast(builder.gep(p, [_const_i64(2 if bb == 18 else 4)]), bytes16.as_pointer())
-    qs = builder.load(ptr, align=1)
-    lo = builder.and_(qs, ir.Constant(bytes16, [15] * 16))
-    hi = builder.lshr(qs, ir.Constant(bytes16, [4] * 16))
-    if bb == 18:  # Q4_0's nibbles are stored + 8
-        eight = ir.Constant(bytes16, [8] * 16)
-        return builder.sitofp(builder.sub(lo, eight), _VF), builder.sitofp(builder.sub(hi, eight), _VF)
-    return builder.uitofp(lo, _VF), builder.uitofp(hi, _VF)
+def _bytes(builder: ir.IRBuilder, p: ir.Value, offset: int, n: int = 16) -> ir.Value:
+    ptr = builder.bitcast(builder.gep(p, [_const_i64(offset)]), ir.VectorType(_I8, n).as_pointer())
+    return builder.load(ptr, align=1)
+
+
+def _splat8(k: int) -> ir.Constant:
+    return ir.Constant(ir.VectorType(_I8, 16), [k] * 16)
+
+
+def _byte(builder: ir.IRBuilder, p: ir.Value, offset: int) -> ir.Value:
+    return builder.load(builder.gep(p, [_const_i64(offset)]))
+
+
+def _fifth_bits(builder: ir.IRBuilder, qh: ir.Value, first: int) -> ir.Value:
+    """Bits first..first+15 of the 32-bit qh of a Q5_0/Q5_1 block, each as 16 in a byte."""
+    v32 = ir.VectorType(_I32, 16)
+    spread = builder.shuffle_vector(builder.insert_element(ir.Constant(v32, None), qh, ir.Constant(_I32, 0)),
+                                    ir.Constant(v32, None), ir.Constant(v32, [0] * 16))
+    bits = builder.and_(builder.lshr(spread, ir.Constant(v32, list(range(first, first + 16)))), ir.Constant(v32, [1] * 16))
+    return builder.trunc(builder.shl(bits, ir.Constant(v32, [4] * 16)), ir.VectorType(_I8, 16))
+
+
+def _k4_scale_min(builder: ir.IRBuilder, p: ir.Value, j: int) -> tuple[ir.Value, ir.Value]:
+    """Sub-block j's 6-bit scale and min of a Q4_K/Q5_K block, as fp32 (ggml's
+    get_scale_min_k4; the 12 scale bytes start at byte 4)."""
+    def b(k: int) -> ir.Value:
+        return _byte(builder, p, 4 + k)
+    c63, c15, c4, c6 = (ir.Constant(_I8, k) for k in (63, 15, 4, 6))
+    if j < 4:
+        sc, m = builder.and_(b(j), c63), builder.and_(b(j + 4), c63)
+    else:
+        sc = builder.or_(builder.and_(b(j + 4), c15), builder.shl(builder.lshr(b(j - 4), c6), c4))
+        m = builder.or_(builder.lshr(b(j + 4), c4), builder.shl(builder.lshr(b(j), c6), c4))
+    return builder.uitofp(sc, _F32), builder.uitofp(m, _F32)
+
+
+def _block_parts(builder: ir.IRBuilder, p: ir.Value, bb: int):
+    """A block's weights as groups sharing one fp32 scale, and its offset terms.
+
+    Returns (groups, offsets): groups is a list of (scale, [(first weight, 16 quants as
+    fp32 lanes), ...]); offsets a list of (coefficient, index of a 32-weight sub-block whose
+    sum of activations it multiplies). weight = scale * quant (+ coefficient, per sub-block)."""
+    if bb in (18, 20, 22, 24, 34):
+        d = _load_half(builder, p, 0)
+        if bb == 34:
+            q = builder.sitofp(_bytes(builder, p, 2, 32), ir.VectorType(_F32, 32))
+            first = ir.Constant(ir.VectorType(_I32, _LANES), list(range(_LANES)))
+            second = ir.Constant(ir.VectorType(_I32, _LANES), list(range(_LANES, 32)))
+            return [(d, [(0, builder.shuffle_vector(q, q, first)), (16, builder.shuffle_vector(q, q, second))])], []
+        qs_at = {18: 2, 20: 4, 22: 6, 24: 8}[bb]
+        qs = _bytes(builder, p, qs_at)
+        lo, hi = builder.and_(qs, _splat8(15)), builder.lshr(qs, _splat8(4))
+        if bb in (22, 24):  # the fifth bits, from the u32 before qs
+            qh = builder.load(builder.bitcast(builder.gep(p, [_const_i64(qs_at - 4)]), _I32.as_pointer()), align=1)
+            lo, hi = builder.or_(lo, _fifth_bits(builder, qh, 0)), builder.or_(hi, _fifth_bits(builder, qh, 16))
+        if bb in (18, 22):  # stored + 8 (Q4_0) or + 16 (Q5_0)
+            bias = _splat8(8 if bb == 18 else 16)
+            q_lo, q_hi = builder.sitofp(builder.sub(lo, bias), _VF), builder.sitofp(builder.sub(hi, bias), _VF)
+            return [(d, [(0, q_lo), (16, q_hi)])], []
+        m = _load_half(builder, p, 2)  # Q4_1, Q5_1: + m per block
+        return [(d, [(0, builder.uitofp(lo, _VF)), (16, builder.uitofp(hi, _VF))])], [(m, 0)]
+    if bb == 210:  # Q6_K: 16 sub-blocks of 16, scale d * int8 sc, quant 6 bits - 32
+        d = _load_half(builder, p, 208)
+        groups = []
+        for half in range(2):
+            for i in range(2):
+                a = _bytes(builder, p, 64 * half + 16 * i)
+                c = _bytes(builder, p, 64 * half + 32 + 16 * i)
+                h = _bytes(builder, p, 128 + 32 * half + 16 * i)
+                quads = [(a, False, 0), (c, False, 2), (a, True, 4), (c, True, 6)]
+                for k, (src, high, shift) in enumerate(quads):
+                    nib = builder.lshr(src, _splat8(4)) if high else builder.and_(src, _splat8(15))
+                    top = builder.shl(builder.and_(builder.lshr(h, _splat8(shift)), _splat8(3)), _splat8(4))
+                    q = builder.sitofp(builder.sub(builder.or_(nib, top), _splat8(32)), _VF)
+                    sc = builder.sitofp(_byte(builder, p, 192 + 8 * half + i + 2 * k), _F32)
+                    groups.append((builder.fmul(d, sc, flags=_FAST), [(128 * half + 16 * i + 32 * k, q)]))
+        return groups, []
+    # Q4_K (144) and Q5_K (176): 8 sub-blocks of 32, d sc_j q - dmin m_j; pair p of 32 bytes
+    # holds sub-block 2p in its low nibbles and 2p + 1 in its high ones
+    d, dmin = _load_half(builder, p, 0), _load_half(builder, p, 2)
+    qs_at = 16 if bb == 144 else 48
+    groups, offsets = [], []
+    for j in range(8):
+        pair, high = j // 2, j % 2 == 1
+        sc, m = _k4_scale_min(builder, p, j)
+        chunks = []
+        for part in range(2):
+            src = _bytes(builder, p, qs_at + 32 * pair + 16 * part)
+            q = builder.lshr(src, _splat8(4)) if high else builder.and_(src, _splat8(15))
+            if bb == 176:  # fifth bit j of qh[l]
+                qh = _bytes(builder, p, 16 + 16 * part)
+                q = builder.or_(q, builder.shl(builder.and_(builder.lshr(qh, _splat8(j)), _splat8(1)), _splat8(4)))
+            chunks.append((32 * j + 16 * part, builder.uitofp(q, _VF)))
+        groups.append((builder.fmul(d, sc, flags=_FAST), chunks))
+        offsets.append((builder.fmul(builder.fmul(dmin, m, flags=_FAST), ir.Constant(_F32, -1.0), flags=_FAST), j))
+    return groups, offsets
 
 
 def _reduce(builder: ir.IRBuilder, acc: ir.Value) -> ir.Value:
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32, _VF]),
                                         f"llvm.vector.reduce.fadd.v{_LANES}f32")
-    return builder.call(fn, [ir.Constant(_F32, 0.0), acc], fastmath=_FAST)
+    return builder.call(fn, [ir.Constant(_F32, 0.0), acc], fastmath=_REASSOC)
 
 
 def _block_dots(bb: int, R: int, V: int):
     """An intrinsic (rows, nb, vecs, sums) -> R*V float32s, row-major: rows is a tuple of R
-    addresses of rows of nb blocks of bb bytes; vecs of V addresses of fp32 vectors of 32 nb
-    values; sums of V addresses of their 32-sums (for Q4_1's offsets)."""
+    addresses of rows of nb blocks of bb bytes; vecs of V addresses of fp32 vectors (nb
+    blocks' weights long); sums of V addresses of their 32-sums (read by the formats with
+    offsets: Q4_1, Q5_1, Q4_K, Q5_K)."""
+    per_block = 256 if bb in (144, 176, 210) else 32
 
     @intrinsic
     def block_dots(typingctx, rows, nb, vecs, sums):
@@ -89,26 +174,29 @@ def _block_dots(bb: int, R: int, V: int):
             offsets = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(R * V)]
             with cgutils.for_range(builder, nb_v) as loop:
                 b = loop.index
-                halves = []
-                for j in range(V):
-                    vp = builder.gep(vec_ptrs[j], [builder.mul(b, _const_i64(32))])
-                    lo = builder.load(builder.bitcast(vp, _VF.as_pointer()), align=4)
-                    hi = builder.load(builder.bitcast(builder.gep(vp, [_const_i64(_LANES)]), _VF.as_pointer()), align=4)
-                    s = builder.load(builder.gep(sum_ptrs[j], [b])) if bb == 20 else None
-                    halves.append((lo, hi, s))
+                vecs_b = [builder.gep(vp, [builder.mul(b, _const_i64(per_block))]) for vp in vec_ptrs]
+                sums_b = [builder.gep(sp, [builder.mul(b, _const_i64(per_block // 32))]) for sp in sum_ptrs]
                 for k in range(R):
-                    p = builder.gep(row_ptrs[k], [builder.mul(b, _const_i64(bb))])
-                    d = _load_half(builder, p, 0)
-                    q_lo, q_hi = _widen_block(builder, p, bb)
-                    dv = _broadcast(builder, d)
-                    m = _load_half(builder, p, 2) if bb == 20 else None  # Q4_1: + m sum(v)
-                    for j, (lo, hi, s) in enumerate(halves):
-                        t = builder.fadd(builder.fmul(q_lo, lo, flags=_FAST), builder.fmul(q_hi, hi, flags=_FAST), flags=_FAST)
+                    groups, offs = _block_parts(builder, builder.gep(row_ptrs[k], [builder.mul(b, _const_i64(bb))]), bb)
+                    for j in range(V):
                         acc = accs[k * V + j]
-                        builder.store(builder.fadd(builder.load(acc), builder.fmul(dv, t, flags=_FAST), flags=_FAST), acc)
-                        if s is not None:
+                        total = builder.load(acc)
+                        for scale, chunks in groups:
+                            t = None
+                            for first, q in chunks:
+                                x = builder.load(builder.bitcast(builder.gep(vecs_b[j], [_const_i64(first)]), _VF.as_pointer()),
+                                                 align=4)
+                                qx = builder.fmul(q, x, flags=_FAST)
+                                t = qx if t is None else builder.fadd(t, qx, flags=_FAST)
+                            total = builder.fadd(total, builder.fmul(_broadcast(builder, scale), t, flags=_FAST), flags=_FAST)
+                        builder.store(total, acc)
+                        if offs:
                             o = offsets[k * V + j]
-                            builder.store(builder.fadd(builder.load(o), builder.fmul(m, s, flags=_FAST), flags=_FAST), o)
+                            off = builder.load(o)
+                            for coef, sub in offs:
+                                xs = builder.load(builder.gep(sums_b[j], [_const_i64(sub)]))
+                                off = builder.fadd(off, builder.fmul(coef, xs, flags=_FAST), flags=_FAST)
+                            builder.store(off, o)
             outs = [builder.fadd(_reduce(builder, builder.load(accs[i])), builder.load(offsets[i]), flags=_FAST)
                     for i in range(R * V)]
             return context.make_tuple(builder, signature.return_type, outs)
@@ -118,12 +206,47 @@ def _block_dots(bb: int, R: int, V: int):
     return block_dots
 
 
-_ROWS4 = {bb: _block_dots(bb, 4, 1) for bb in (18, 20, 34)}
-_VECS4 = {bb: _block_dots(bb, 1, 4) for bb in (18, 20, 34)}
-_ONE = {bb: _block_dots(bb, 1, 1) for bb in (18, 20, 34)}
-_r4_18, _r4_20, _r4_34 = _ROWS4[18], _ROWS4[20], _ROWS4[34]
-_v4_18, _v4_20, _v4_34 = _VECS4[18], _VECS4[20], _VECS4[34]
-_o_18, _o_20, _o_34 = _ONE[18], _ONE[20], _ONE[34]
+FORMATS_BB = (18, 20, 34, 22, 24, 144, 176, 210)  # block bytes: Q4_0 Q4_1 Q8_0 Q5_0 Q5_1 Q4_K Q5_K Q6_K
+
+
+def _dispatch(R: int, V: int):
+    """A numba function (bb, rows, nb, vecs, sums) calling the (R, V) block dots of format
+    bb: a chain of branches, each intrinsic compiled for its format alone."""
+    fn = None
+    for bb in reversed(FORMATS_BB):
+        dots, rest = _block_dots(bb, R, V), fn
+        if rest is None:
+            def make_last(dots=dots):
+                @njit(inline="always")
+                def last(fmt, rows, nb, vecs, sums):
+                    return dots(rows, nb, vecs, sums)
+                return last
+            fn = make_last()
+        else:
+            def make_step(dots=dots, rest=rest, this=bb):
+                @njit(inline="always")
+                def step(fmt, rows, nb, vecs, sums):
+                    if fmt == this:
+                        return dots(rows, nb, vecs, sums)
+                    return rest(fmt, rows, nb, vecs, sums)
+                return step
+            fn = make_step()
+    return fn
+
+
+_rows4, _vecs4, _one = _dispatch(4, 1), _dispatch(1, 4), _dispatch(1, 1)
+
+
+@njit(inline="always")
+def block_sums(v):
+    """v's sums over each 32 values: the activation sums the offset formats read."""
+    s = np.empty(v.shape[0] // 32, dtype=np.float32)
+    for k in range(s.shape[0]):
+        acc = np.float32(0.0)
+        for j in range(32):
+            acc += v[32 * k + j]
+        s[k] = acc
+    return s
 
 
 @njit(inline="always")
@@ -140,42 +263,27 @@ def _check_blocks(w, v):
 
 @njit(fastmath=True)
 def dot_rows4(w, r0, r1, r2, r3, v, xs):
-    """Rows r0..r3 of w (Q4_0, Q4_1, Q8_0 blocks) dotted with fp32 v (contiguous); xs: v's
-    32-sums (span_sums(v, 32)), read for Q4_1."""
+    """Rows r0..r3 of quantized w (any block format) dotted with fp32 v (contiguous); xs:
+    v's 32-sums (`block_sums`)."""
     _check_blocks(w, v)
     rows = (_row_address(w, r0), _row_address(w, r1), _row_address(w, r2), _row_address(w, r3))
-    vecs, sums, nb, bb = (v.ctypes.data,), (xs.ctypes.data,), w.shape[1], w.shape[2]
-    if bb == 20:
-        return _r4_20(rows, nb, vecs, sums)
-    if bb == 18:
-        return _r4_18(rows, nb, vecs, sums)
-    return _r4_34(rows, nb, vecs, sums)
+    return _rows4(w.shape[2], rows, w.shape[1], (v.ctypes.data,), (xs.ctypes.data,))
 
 
 @njit(fastmath=True)
 def dot_row(w, r, v, xs):
-    """Row r of w (Q4_0, Q4_1, Q8_0 blocks) dotted with fp32 v; xs: v's 32-sums."""
+    """Row r of quantized w (any block format) dotted with fp32 v; xs: v's 32-sums."""
     _check_blocks(w, v)
-    rows, vecs, sums, nb, bb = (_row_address(w, r),), (v.ctypes.data,), (xs.ctypes.data,), w.shape[1], w.shape[2]
-    if bb == 20:
-        return _o_20(rows, nb, vecs, sums)[0]
-    if bb == 18:
-        return _o_18(rows, nb, vecs, sums)[0]
-    return _o_34(rows, nb, vecs, sums)[0]
+    return _one(w.shape[2], (_row_address(w, r),), w.shape[1], (v.ctypes.data,), (xs.ctypes.data,))[0]
 
 
 @njit(fastmath=True)
 def dot_vecs4(w, r, V, s0, s1, s2, s3, xs):
-    """Row r of w (Q4_0, Q4_1, Q8_0 blocks) dotted with rows s0..s3 of V (B, cols), each
+    """Row r of quantized w (any block format) dotted with rows s0..s3 of V (B, cols), each
     block widened once for the four; xs (B, cols / 32): V's 32-sums."""
     _check_blocks(w, V)
     if xs.strides[1] != 4:
         raise ValueError("block dots need contiguous block sums")
-    rows, nb, bb = (_row_address(w, r),), w.shape[1], w.shape[2]
     vecs = (_row_address(V, s0), _row_address(V, s1), _row_address(V, s2), _row_address(V, s3))
     sums = (_row_address(xs, s0), _row_address(xs, s1), _row_address(xs, s2), _row_address(xs, s3))
-    if bb == 20:
-        return _v4_20(rows, nb, vecs, sums)
-    if bb == 18:
-        return _v4_18(rows, nb, vecs, sums)
-    return _v4_34(rows, nb, vecs, sums)
+    return _vecs4(w.shape[2], (_row_address(w, r),), w.shape[1], vecs, sums)

@@ -17,12 +17,13 @@ the array's type (3-D uint8) and at run time from one number:
 | Q5_K | 176: half d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128] | 256 | as Q4_K with a fifth bit from qh |
 | Q6_K | 210: u8 ql[128]; u8 qh[64]; i8 scales[16]; half d | 256 | 16 sub-blocks of 16: d sc (q - 32) |
 
-The GEMV widens each block to fp32 in registers (8-bit integer ops, see `_byte_to_float`)
-and multiplies by the fp32 activations: Q4_0, Q4_1 and Q8_0 four rows per step, Q4_K and
-Q6_K a row at a time; the Q5 formats widen a row into a small fp32 scratch first (correct,
-not yet fast). Activations are not quantized to int8 as llama.cpp does: numba cannot emit VNNI integer dot products, and widening keeps the result equal to
-the dequantize-then-fp32 reference. Batches (prefill) widen a tile of rows at a time into
-a reused fp32 buffer for torch's GEMM: no float copy of a whole matrix is kept or made.
+The GEMV (and the sparse row GEMV, and the batched one) take every format's block dots from
+`block_ir`: LLVM vector IR that widens each block to fp32 lanes and keeps lane accumulators
+across a row. Activations are not quantized to int8 as llama.cpp does: widening keeps the
+result equal to the dequantize-then-fp32 reference to float rounding, and the fp32 lane
+dots already read Q4_0/Q4_1/Q8_0 faster than llama.cpp's decode does (docs/BENCHMARKS.md).
+Batches (prefill) widen a tile of rows at a time into a reused fp32 buffer for torch's
+GEMM: no float copy of a whole matrix is kept or made.
 Every kernel's reference twin is `dequantize` (the gguf package's) and the fp32 op.
 """
 
@@ -33,11 +34,10 @@ from typing import Iterator
 import numpy as np
 import torch
 from llvmlite import ir
-import numba
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .block_ir import dot_row, dot_rows4
+from .block_ir import block_sums, dot_row, dot_rows4
 
 # format name -> (weights per block, bytes per block)
 FORMATS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24),
@@ -136,84 +136,6 @@ _b0, _b2, _b4, _b6 = (_byte_to_float(f"b{k}") for k in (0, 2, 4, 6))
 
 
 @njit(inline="always", fastmath=True)
-def span_sums(v, span):
-    """sum(v[span k : span (k + 1)]) for every k: the sums of x that the block dots take once
-    per call (32: a block or K-quant sub-block; 16: a Q6_K sub-block)."""
-    s = np.empty(v.shape[0] // span, dtype=np.float32)
-    for k in range(s.shape[0]):
-        acc = np.float32(0.0)
-        for j in range(span):
-            acc += v[span * k + j]
-        s[k] = acc
-    return s
-
-
-@njit(fastmath=True)
-def _q4_k_nibbles(w, r, b, p, v, base):
-    """(sum lo(q) v[base + l], sum hi(q) v[base + 32 + l]) over the 32 bytes of pair p of a
-    Q4_K block: sub-block 2p is their low nibbles, 2p + 1 their high ones."""
-    lo_acc = hi_acc = np.float32(0.0)
-    off = np.uint64(16 + 32 * p)  # unsigned offsets: numba's negative-index fix-up would stop
-    vb = np.uint64(base)  # LLVM from seeing contiguous loads (see sparse_cpu's SPAN)
-    for l in range(np.uint64(32)):
-        q = w[r, b, off + l]
-        lo_acc += _lo(q) * v[vb + l]
-        hi_acc += _hi(q) * v[vb + np.uint64(32) + l]
-    return lo_acc, hi_acc
-
-
-@njit(fastmath=True)
-def _q4_k_block_dot(w, r, b, v, xs):
-    """A Q4_K block of row r dotted with v: per sub-block j (32 weights), d sc_j sum(q v) -
-    dmin m_j sum(v), the sums of v over 32 weights (xs) taken once per call."""
-    d, dmin = _half(w[r, b, 0], w[r, b, 1]), _half(w[r, b, 2], w[r, b, 3])
-    acc = np.float32(0.0)
-    for p in range(4):
-        sc0, m0 = _scale_min_k4(w, r, b, 2 * p)
-        sc1, m1 = _scale_min_k4(w, r, b, 2 * p + 1)
-        base = 256 * b + 64 * p
-        s0, s1 = _q4_k_nibbles(w, r, b, p, v, base)
-        acc += d * (sc0 * s0 + sc1 * s1) - dmin * (m0 * xs[8 * b + 2 * p] + m1 * xs[8 * b + 2 * p + 1])
-    return acc
-
-
-@njit(fastmath=True)
-def _q6_k_quarter(w, r, b, half, i, v, y):
-    """The four 16-weight sub-block dots of Q6_K weights l in [16 i, 16 i + 16) of one half:
-    6-bit values from 4 bits of ql and 2 of qh (before the -32 offset)."""
-    ql, qh = np.uint64(64 * half + 16 * i), np.uint64(128 + 32 * half + 16 * i)  # unsigned: see _q4_k_nibbles
-    vy = np.uint64(y + 16 * i)
-    s0 = s1 = s2 = s3 = np.float32(0.0)
-    sixteen = np.float32(16.0)
-    for l in range(np.uint64(16)):
-        a, c, h = w[r, b, ql + l], w[r, b, ql + l + np.uint64(32)], w[r, b, qh + l]
-        s0 += (_lo(a) + sixteen * _b0(h)) * v[vy + l]
-        s1 += (_lo(c) + sixteen * _b2(h)) * v[vy + l + np.uint64(32)]
-        s2 += (_hi(a) + sixteen * _b4(h)) * v[vy + l + np.uint64(64)]
-        s3 += (_hi(c) + sixteen * _b6(h)) * v[vy + l + np.uint64(96)]
-    return s0, s1, s2, s3
-
-
-@njit(fastmath=True)
-def _q6_k_block_dot(w, r, b, v, xs16):
-    """A Q6_K block of row r dotted with v: per 16-weight sub-block k, d sc_k (sum(q v) -
-    32 sum(v)), the sums of v over 16 weights (xs16) taken once per call."""
-    d = _half(w[r, b, 208], w[r, b, 209])
-    acc = np.float32(0.0)
-    for half in range(2):
-        y = 256 * b + 128 * half
-        sc = 192 + 8 * half
-        for i in range(2):
-            s0, s1, s2, s3 = _q6_k_quarter(w, r, b, half, i, v, y)
-            k = (y >> 4) + i  # index of the first sub-block's 16-sum
-            acc += d * (_s8(w[r, b, sc + i]) * (s0 - np.float32(32.0) * xs16[k])
-                        + _s8(w[r, b, sc + i + 2]) * (s1 - np.float32(32.0) * xs16[k + 2])
-                        + _s8(w[r, b, sc + i + 4]) * (s2 - np.float32(32.0) * xs16[k + 4])
-                        + _s8(w[r, b, sc + i + 6]) * (s3 - np.float32(32.0) * xs16[k + 6]))
-    return acc
-
-
-@njit(inline="always", fastmath=True)
 def _dequant_small_block(w, r, b, out, base):
     """Block b of row r (Q4_0, Q4_1, Q8_0) as 32 fp32 values at out[base:]."""
     bb = w.shape[2]
@@ -241,54 +163,22 @@ def dequantize_row(w, r, out):
         _dequantize_row_generic(w, r, out)
 
 
-@njit(inline="always", fastmath=True)
-def row_dot(w, r, v, xs, xs16, scratch):
-    """Row r of quantized w dotted with v, any format: xs / xs16 are v's sums over 32 / 16
-    weights (span_sums), `scratch` a (cols,) fp32 buffer for the formats read through
-    dequantization (Q5_0, Q5_1, Q5_K)."""
-    bb = w.shape[2]
-    if bb == 18 or bb == 20 or bb == 34:
-        return dot_row(w, r, v, xs)
-    acc = np.float32(0.0)
-    if bb == 144:
-        for b in range(w.shape[1]):
-            acc += _q4_k_block_dot(w, r, b, v, xs)
-    elif bb == 210:
-        for b in range(w.shape[1]):
-            acc += _q6_k_block_dot(w, r, b, v, xs16)
-    else:
-        dequantize_row(w, r, scratch)
-        for j in range(v.shape[0]):
-            acc += scratch[j] * v[j]
-    return acc
-
-
 @njit(parallel=True, fastmath=True, cache=True)
 def add_matvec_q(w, v, b, x, threads):
-    """x += W v (+ b) for quantized W, in parallel.
-
-    Q4_0, Q4_1, Q8_0: the blocks' dots directly (only loads, so LLVM vectorises them), four
-    rows per step. The other formats: `row_dot`, one row at a time."""
-    n, bb = w.shape[0], w.shape[2]
-    cols = v.shape[0]
-    has_b = b.shape[0] > 0
-    if bb == 18 or bb == 20 or bb == 34:
-        xs = span_sums(v, 32)
-        q = n // 4
-        for i in prange(q):  # rows i, i+q, i+2q, i+3q: four streams, each block of v read once
-            a0, a1, a2, a3 = dot_rows4(w, i, i + q, i + 2 * q, i + 3 * q, v, xs)
-            x[i] += a0
-            x[i + q] += a1
-            x[i + 2 * q] += a2
-            x[i + 3 * q] += a3
-        for i in range(4 * q, n):
-            x[i] += dot_row(w, i, v, xs)
-    else:  # one row at a time: block dots (K-quants) or a widened row (Q5 formats)
-        xs, xs16 = span_sums(v, 32), span_sums(v, 16)
-        scratch = np.empty((threads, cols), dtype=np.float32)  # one per worker thread
-        for i in prange(n):
-            x[i] += row_dot(w, i, v, xs, xs16, scratch[numba.get_thread_id()])
-    if has_b:
+    """x += W v (+ b) for quantized W (any block format), in parallel: rows i, i+q, i+2q,
+    i+3q per step (four streams, each block of v read once for the four; block_ir)."""
+    n = w.shape[0]
+    xs = block_sums(v)
+    q = n // 4
+    for i in prange(q):
+        a0, a1, a2, a3 = dot_rows4(w, i, i + q, i + 2 * q, i + 3 * q, v, xs)
+        x[i] += a0
+        x[i + q] += a1
+        x[i + 2 * q] += a2
+        x[i + 3 * q] += a3
+    for i in range(4 * q, n):
+        x[i] += dot_row(w, i, v, xs)
+    if b.shape[0] > 0:
         for k in range(n):
             x[k] += b[k]
 

@@ -15,8 +15,8 @@ from numba import njit, prange
 
 from .cpu import _act, gated_value
 from .criterion import GATE
-from .block_ir import dot_rows4
-from .quant import _half, _u8, row_dot, span_sums
+from .block_ir import block_sums, dot_row, dot_rows4
+from .quant import _half, _u8
 
 
 @njit(fastmath=True)
@@ -36,17 +36,15 @@ def ffn_rows_q(w_in, w_up, wt_down, x, idx, gated, b_in, act_id, up_act_id, crit
     fc1 rows of a plain FFN, with bias b_in), w_up up rows (gated), wt_down the Q8_0 down
     projection transposed (n, d_out). h (T, k) gets the neuron values (0 when off by the
     criterion, as the dense-weight kernels: GATE skips the up row)."""
-    T, k, d = x.shape[0], idx.shape[0], x.shape[1]
+    T, k = x.shape[0], idx.shape[0]
     d_out = out.shape[1]
     for t in range(T):
         v = x[t]
-        xs, xs16 = span_sums(v, 32), span_sums(v, 16)
-        small = w_in.shape[2] == 18 or w_in.shape[2] == 20 or w_in.shape[2] == 34
+        xs = block_sums(v)
         for c in prange(n_chunks):
-            scratch = np.empty(d, dtype=np.float32)
             lo, hi = c * k // n_chunks, (c + 1) * k // n_chunks
             first = lo
-            if small and gated and criterion != GATE:  # four neurons per pass over x (up rows read anyway)
+            if gated and criterion != GATE:  # four neurons per pass over x (up rows read anyway)
                 while first + 4 <= hi:
                     r0, r1, r2, r3 = idx[first], idx[first + 1], idx[first + 2], idx[first + 3]
                     g0, g1, g2, g3 = dot_rows4(w_in, r0, r1, r2, r3, v, xs)
@@ -58,7 +56,7 @@ def ffn_rows_q(w_in, w_up, wt_down, x, idx, gated, b_in, act_id, up_act_id, crit
                     first += 4
             for kk in range(first, hi):
                 r = idx[kk]
-                g = row_dot(w_in, r, v, xs, xs16, scratch)
+                g = dot_row(w_in, r, v, xs)
                 if not gated:
                     if b_in.shape[0] > 0:
                         g += b_in[r]
@@ -69,7 +67,7 @@ def ffn_rows_q(w_in, w_up, wt_down, x, idx, gated, b_in, act_id, up_act_id, crit
                 if criterion == GATE and abs(a) <= threshold:
                     h[t, kk] = np.float32(0.0)
                     continue
-                h[t, kk] = gated_value(a, row_dot(w_up, r, v, xs, xs16, scratch), up_act_id, criterion, threshold)
+                h[t, kk] = gated_value(a, dot_row(w_up, r, v, xs), up_act_id, criterion, threshold)
         partial = np.zeros((n_chunks, d_out), dtype=np.float32)
         for c in prange(n_chunks):
             for kk in range(c * k // n_chunks, (c + 1) * k // n_chunks):

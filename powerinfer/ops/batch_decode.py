@@ -24,7 +24,7 @@ from .cpu import STREAMS, _act, attend_head, dot4, row_dot, rms_norm, write_kv
 from .decode import _gated_value
 from .numba_half import widen
 from .panels import in_features
-from .block_ir import block_sums, dot_vecs4
+from .block_ir import block_sums, dot_row, dot_vecs2, dot_vecs4
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -224,20 +224,23 @@ def attend(QKV, pos, cos, sin, k_caches, v_caches, n_heads, n_kv, head_dim, scal
 @njit(parallel=True, fastmath=True, cache=True)
 def add_matvec_4v(w, V, xs, X):
     """X[s] += W V[s] for W in GGUF blocks (any format), four vectors per pass over a row (each
-    block widened once for the four: register blocking; the one-vector GEMV is bound by the
-    widening, so four vectors cost little more than one). xs[s] holds V[s]'s 32-sums. Each
-    (row, vector) dot runs as in the one-vector GEMV (block_ir), so the rows equal solo."""
+    block widened once for the four: register blocking), the rest two and one at a time.
+    xs[s] holds V[s]'s 32-sums. Each (row, vector) dot runs as in the one-vector GEMV
+    (block_ir), so the rows equal solo."""
     n, B = w.shape[0], V.shape[0]
-    last = B - 1
+    fours = B // 4 * 4
     for i in prange(n):
-        for s in range(0, B, 4):
-            # a last group of fewer than four repeats its last vector (cheaper than one at a time)
-            s1, s2, s3 = min(s + 1, last), min(s + 2, last), min(s + 3, last)
-            a0, a1, a2, a3 = dot_vecs4(w, i, V, s, s1, s2, s3, xs)
+        for s in range(0, fours, 4):
+            a0, a1, a2, a3 = dot_vecs4(w, i, V, s, s + 1, s + 2, s + 3, xs)
             X[s, i] += a0
-            if s + 1 < B:
-                X[s1, i] += a1
-            if s + 2 < B:
-                X[s2, i] += a2
-            if s + 3 < B:
-                X[s3, i] += a3
+            X[s + 1, i] += a1
+            X[s + 2, i] += a2
+            X[s + 3, i] += a3
+        s = fours
+        if B - s >= 2:  # the rest: two at a time, then one
+            a0, a1 = dot_vecs2(w, i, V, s, s + 1, xs)
+            X[s, i] += a0
+            X[s + 1, i] += a1
+            s += 2
+        if s < B:
+            X[s, i] += dot_row(w, i, V[s], xs[s])

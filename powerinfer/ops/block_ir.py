@@ -234,7 +234,7 @@ def _dispatch(R: int, V: int):
     return fn
 
 
-_rows4, _vecs4, _one = _dispatch(4, 1), _dispatch(1, 4), _dispatch(1, 1)
+_rows4, _vecs4, _vecs2, _one = _dispatch(4, 1), _dispatch(1, 4), _dispatch(1, 2), _dispatch(1, 1)
 
 
 @njit(inline="always")
@@ -287,3 +287,13 @@ def dot_vecs4(w, r, V, s0, s1, s2, s3, xs):
     vecs = (_row_address(V, s0), _row_address(V, s1), _row_address(V, s2), _row_address(V, s3))
     sums = (_row_address(xs, s0), _row_address(xs, s1), _row_address(xs, s2), _row_address(xs, s3))
     return _vecs4(w.shape[2], (_row_address(w, r),), w.shape[1], vecs, sums)
+
+
+@njit(fastmath=True)
+def dot_vecs2(w, r, V, s0, s1, xs):
+    """Row r of quantized w dotted with rows s0, s1 of V: `dot_vecs4` for two vectors."""
+    _check_blocks(w, V)
+    if xs.strides[1] != 4:
+        raise ValueError("block dots need contiguous block sums")
+    vecs, sums = (_row_address(V, s0), _row_address(V, s1)), (_row_address(xs, s0), _row_address(xs, s1))
+    return _vecs2(w.shape[2], (_row_address(w, r),), w.shape[1], vecs, sums)

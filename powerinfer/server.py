@@ -138,13 +138,13 @@ class Server:
     """The engine behind the API: admission (batch + queue) and the batch engine."""
 
     def __init__(self, lm: LoadedModel, model_name: str, max_batch: int = 8, queue_size: int = 16,
-                 api_key: str | None = None, prefill_chunk: int | None = None):
+                 api_key: str | None = None, prefill_chunk: int | None = None, engine_thread: bool = True):
         if lm.tokenizer is None:
             raise PowerInferError(f"{lm.path}: the model has no tokenizer; it cannot be served")
         self.lm, self.model_name, self.api_key = lm, model_name, api_key
         self.max_batch, self.queue_size = max_batch, queue_size
         extra = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
-        self.engine = BatchEngine(lm.model, lm.tokenizer, max_batch, **extra)
+        self.engine = BatchEngine(lm.model, lm.tokenizer, max_batch, own_thread=engine_thread, **extra)
         self.lock = threading.Lock()
         self.admitted = 0  # running + waiting
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -325,7 +326,7 @@ def _long_prompt(base, headers: tuple) -> str:
     pytest.fail("every candidate prompt stops early")
 
 
-def test_full_queue_answers_429_and_the_api_key_is_required(model_dir):
+def test_full_queue_answers_429_the_api_key_is_required_and_ctrl_c_ends_streams(model_dir):
     proc, base = start_server(model_dir, "--max-batch", "1", "--queue-size", "0", "--api-key", "sekret")
     auth = {"Authorization": "Bearer sekret"}
     try:
@@ -354,8 +355,27 @@ def test_full_queue_answers_429_and_the_api_key_is_required(model_dir):
         busy = next(r for r in responses if r.status_code == 429)
         assert busy.json()["error"]["type"] == "rate_limit_error"
         wait_idle(base)
+        # Ctrl-C while a stream runs (the engine loop is on the server's main thread): the
+        # stream ends with [DONE] and the server exits 0 within seconds
+        lines: list[str] = []
+
+        def stream():
+            with httpx.stream("POST", base + "/v1/completions", headers=auth, timeout=120,
+                              json={**body, "prompt": "x", "max_tokens": 1500, "stream": True}) as r:
+                lines.extend(r.iter_lines())
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        deadline = time.time() + 60
+        while len(lines) < 3 and time.time() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+        reader.join(timeout=20)
+        assert 3 <= len([x for x in lines if x.startswith("data: {")]) < 1500 and "data: [DONE]" in lines
     finally:
-        stop_server(proc)
+        if proc.poll() is None:
+            stop_server(proc)
 
 
 def test_a_busy_port_fails_at_once_with_one_line():

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
+import threading
 
 from ..engine.batch import PREFILL_CHUNK
 from ..errors import BadArgumentError
@@ -51,11 +53,36 @@ def run(args: argparse.Namespace) -> int:
         warm_up_batch(lm.model)  # nor the first two that overlap
     name = args.model_name or (args.model if args.model and looks_like_hub_id(args.model)  # org/name, as asked
                                else os.path.basename(lm.path.rstrip("/")))
-    server = Server(lm, name, max_batch, args.queue_size, args.api_key, args.prefill_chunk)
+    server = Server(lm, name, max_batch, args.queue_size, args.api_key, args.prefill_chunk, engine_thread=False)
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (batch of up to {max_batch})", file=sys.stderr,
           flush=True)
-    uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning")).run(sockets=[sock])
+    http = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning"))
+    serve_on_main_thread(http, sock, server.engine)
     return 0
+
+
+def serve_on_main_thread(http, sock, engine) -> None:
+    """HTTP on a thread, the engine loop on this (main) thread: numba's OpenMP kernels ran
+    3-4x slower when launched from a second thread (docs/BENCHMARKS.md "Serving"). SIGINT
+    and SIGTERM close the engine (its loop ends every open request at the step boundary and
+    returns), then the HTTP server; the HTTP server ending closes the engine too."""
+    def serve_http() -> None:
+        try:
+            http.run(sockets=[sock])
+        finally:
+            engine.close()  # also when uvicorn could not start: the loop below must end
+
+    # a handler that raised could land inside a step; closing lets the step finish
+    previous = {sig: signal.signal(sig, lambda *_: engine.close()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=serve_http, name="powerinfer-http", daemon=True)
+    thread.start()
+    try:
+        engine.run()  # returns when the engine is closed
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        http.should_exit = True
+        thread.join(timeout=30)
 
 
 MAX_DEFAULT_BATCH = 8  # beyond it a 2-16 core machine gains little (docs/BENCHMARKS.md, "serving")

@@ -74,7 +74,10 @@ class BatchEngine:
     """Runs generations on one thread, batching their decode steps. `submit` from any thread."""
 
     def __init__(self, model: Model, tokenizer: Tokenizer, max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK,
-                 threads: int | None = None):
+                 threads: int | None = None, own_thread: bool = True):
+        """`own_thread=False`: no thread is started; the caller runs the loop with `run()` on
+        its own thread (the main thread: numba's OpenMP kernels ran 3-4x slower from a
+        second thread, measured in docs/BENCHMARKS.md "Serving")."""
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
         self.model, self.tokenizer = model, tokenizer
@@ -86,8 +89,9 @@ class BatchEngine:
         self._closed = False
         self.steps = 0  # decode steps run (for tests and statistics)
         self.batch_tokens = 0  # tokens those steps decoded
-        self._thread = threading.Thread(target=self._run, name="powerinfer-engine", daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread(target=self.run, name="powerinfer-engine", daemon=True)
+        if own_thread:
+            self._thread.start()
         ref = weakref.ref(self)  # stopped before the interpreter tears down numba's threads under it
         atexit.register(lambda: (engine := ref()) is not None and engine.close())
 
@@ -123,7 +127,9 @@ class BatchEngine:
             self._thread.join(timeout=30)
 
     # -- the engine thread ------------------------------------------------------------------
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The loop: admit, prefill, decode, until `close()`. Started by the constructor on
+        its own thread unless `own_thread=False`."""
         numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
         while True:
             with self._cv:

@@ -30,6 +30,7 @@ from numba.extending import intrinsic
 _F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
 _LANES = 16
 _VF = ir.VectorType(_F32, _LANES)
+_VF8 = ir.VectorType(_F32, 8)
 _FAST = ("contract",)  # FMAs, no reassociation: every context rounds alike
 _REASSOC = ("fast",)
 
@@ -70,18 +71,35 @@ def _fifth_bits(builder: ir.IRBuilder, qh: ir.Value, first: int) -> ir.Value:
     return builder.trunc(builder.shl(bits, ir.Constant(v32, [4] * 16)), ir.VectorType(_I8, 16))
 
 
-def _k4_scale_min(builder: ir.IRBuilder, p: ir.Value, j: int) -> tuple[ir.Value, ir.Value]:
-    """Sub-block j's 6-bit scale and min of a Q4_K/Q5_K block, as fp32 (ggml's
-    get_scale_min_k4; the 12 scale bytes start at byte 4)."""
-    def b(k: int) -> ir.Value:
-        return _byte(builder, p, 4 + k)
-    c63, c15, c4, c6 = (ir.Constant(_I8, k) for k in (63, 15, 4, 6))
-    if j < 4:
-        sc, m = builder.and_(b(j), c63), builder.and_(b(j + 4), c63)
-    else:
-        sc = builder.or_(builder.and_(b(j + 4), c15), builder.shl(builder.lshr(b(j - 4), c6), c4))
-        m = builder.or_(builder.lshr(b(j + 4), c4), builder.shl(builder.lshr(b(j), c6), c4))
-    return builder.uitofp(sc, _F32), builder.uitofp(m, _F32)
+def _k4_scales_mins(builder: ir.IRBuilder, p: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """The 8 sub-blocks' 6-bit scales and mins of a Q4_K/Q5_K block as two <8 x float>
+    (ggml's get_scale_min_k4 for j = 0..7 at once; the 12 scale bytes start at byte 4):
+    j < 4: sc = q[j] & 63, m = q[j+4] & 63; j >= 4: sc = q[j+4] & 15 | (q[j-4] >> 6) << 4,
+    m = q[j+4] >> 4 | (q[j] >> 6) << 4."""
+    v8, v12 = ir.VectorType(_I8, 8), ir.VectorType(_I8, 12)
+    q = builder.load(builder.bitcast(builder.gep(p, [_const_i64(4)]), v12.as_pointer()), align=1)
+    zero = ir.Constant(v12, [0] * 12)
+
+    def pick(lanes: list[int]) -> ir.Value:  # lane index 12+ reads the zero vector
+        return builder.shuffle_vector(q, zero, ir.Constant(ir.VectorType(_I32, 8), lanes))
+
+    def c8(values: list[int]) -> ir.Constant:
+        return ir.Constant(v8, values)
+
+    a, b = pick([0, 1, 2, 3, 8, 9, 10, 11]), pick([12, 12, 12, 12, 0, 1, 2, 3])
+    sc = builder.or_(builder.and_(a, c8([63] * 4 + [15] * 4)), builder.shl(builder.lshr(b, c8([6] * 8)), c8([4] * 8)))
+    c, e = pick([4, 5, 6, 7, 8, 9, 10, 11]), pick([12, 12, 12, 12, 4, 5, 6, 7])
+    low = builder.shuffle_vector(builder.and_(c, c8([63] * 8)), builder.lshr(c, c8([4] * 8)),
+                                 ir.Constant(ir.VectorType(_I32, 8), [0, 1, 2, 3, 12, 13, 14, 15]))
+    m = builder.or_(low, builder.shl(builder.lshr(e, c8([6] * 8)), c8([4] * 8)))
+    f8 = ir.VectorType(_F32, 8)
+    return builder.uitofp(sc, f8), builder.uitofp(m, f8)
+
+
+def _splat_f(builder: ir.IRBuilder, x: ir.Value, n: int) -> ir.Value:
+    vt = ir.VectorType(_F32, n)
+    v = builder.insert_element(ir.Constant(vt, None), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), [0] * n))
 
 
 def _block_parts(builder: ir.IRBuilder, p: ir.Value, bb: int):
@@ -89,7 +107,8 @@ def _block_parts(builder: ir.IRBuilder, p: ir.Value, bb: int):
 
     Returns (groups, offsets): groups is a list of (scale, [(first weight, 16 quants as
     fp32 lanes), ...]); offsets a list of (coefficient, index of a 32-weight sub-block whose
-    sum of activations it multiplies). weight = scale * quant (+ coefficient, per sub-block)."""
+    sum of activations it multiplies), or for the K-quants one <8 x float> of coefficients,
+    one per sub-block. weight = scale * quant (+ coefficient, per sub-block)."""
     if bb in (18, 20, 22, 24, 34):
         d = _load_half(builder, p, 0)
         if bb == 34:
@@ -111,6 +130,8 @@ def _block_parts(builder: ir.IRBuilder, p: ir.Value, bb: int):
         return [(d, [(0, builder.uitofp(lo, _VF)), (16, builder.uitofp(hi, _VF))])], [(m, 0)]
     if bb == 210:  # Q6_K: 16 sub-blocks of 16, scale d * int8 sc, quant 6 bits - 32
         d = _load_half(builder, p, 208)
+        sc16 = builder.sitofp(_bytes(builder, p, 192), _VF)  # the 16 int8 scales, then times d
+        scales = builder.fmul(sc16, _splat_f(builder, d, 16), flags=_FAST)
         groups = []
         for half in range(2):
             for i in range(2):
@@ -122,17 +143,19 @@ def _block_parts(builder: ir.IRBuilder, p: ir.Value, bb: int):
                     nib = builder.lshr(src, _splat8(4)) if high else builder.and_(src, _splat8(15))
                     top = builder.shl(builder.and_(builder.lshr(h, _splat8(shift)), _splat8(3)), _splat8(4))
                     q = builder.sitofp(builder.sub(builder.or_(nib, top), _splat8(32)), _VF)
-                    sc = builder.sitofp(_byte(builder, p, 192 + 8 * half + i + 2 * k), _F32)
-                    groups.append((builder.fmul(d, sc, flags=_FAST), [(128 * half + 16 * i + 32 * k, q)]))
+                    scale = builder.extract_element(scales, ir.Constant(_I32, 8 * half + i + 2 * k))
+                    groups.append((scale, [(128 * half + 16 * i + 32 * k, q)]))
         return groups, []
     # Q4_K (144) and Q5_K (176): 8 sub-blocks of 32, d sc_j q - dmin m_j; pair p of 32 bytes
     # holds sub-block 2p in its low nibbles and 2p + 1 in its high ones
     d, dmin = _load_half(builder, p, 0), _load_half(builder, p, 2)
     qs_at = 16 if bb == 144 else 48
-    groups, offsets = [], []
+    sc8, m8 = _k4_scales_mins(builder, p)
+    scales = builder.fmul(sc8, _splat_f(builder, d, 8), flags=_FAST)
+    mins = builder.fmul(m8, _splat_f(builder, builder.fmul(dmin, ir.Constant(_F32, -1.0), flags=_FAST), 8), flags=_FAST)
+    groups = []
     for j in range(8):
         pair, high = j // 2, j % 2 == 1
-        sc, m = _k4_scale_min(builder, p, j)
         chunks = []
         for part in range(2):
             src = _bytes(builder, p, qs_at + 32 * pair + 16 * part)
@@ -141,14 +164,14 @@ def _block_parts(builder: ir.IRBuilder, p: ir.Value, bb: int):
                 qh = _bytes(builder, p, 16 + 16 * part)
                 q = builder.or_(q, builder.shl(builder.and_(builder.lshr(qh, _splat8(j)), _splat8(1)), _splat8(4)))
             chunks.append((32 * j + 16 * part, builder.uitofp(q, _VF)))
-        groups.append((builder.fmul(d, sc, flags=_FAST), chunks))
-        offsets.append((builder.fmul(builder.fmul(dmin, m, flags=_FAST), ir.Constant(_F32, -1.0), flags=_FAST), j))
-    return groups, offsets
+        groups.append((builder.extract_element(scales, ir.Constant(_I32, j)), chunks))
+    return groups, mins  # - dmin m_j, one lane per sub-block
 
 
 def _reduce(builder: ir.IRBuilder, acc: ir.Value) -> ir.Value:
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32, _VF]),
-                                        f"llvm.vector.reduce.fadd.v{_LANES}f32")
+    n = acc.type.count
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32, acc.type]),
+                                        f"llvm.vector.reduce.fadd.v{n}f32")
     return builder.call(fn, [ir.Constant(_F32, 0.0), acc], fastmath=_REASSOC)
 
 
@@ -172,6 +195,7 @@ def _block_dots(bb: int, R: int, V: int):
             sum_ptrs = [builder.inttoptr(builder.extract_value(sums_t, j), f32p) for j in range(V)]
             accs = [cgutils.alloca_once_value(builder, ir.Constant(_VF, [0.0] * _LANES)) for _ in range(R * V)]
             offsets = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(R * V)]
+            koffsets = [cgutils.alloca_once_value(builder, ir.Constant(_VF8, [0.0] * 8)) for _ in range(R * V)]
             with cgutils.for_range(builder, nb_v) as loop:
                 b = loop.index
                 vecs_b = [builder.gep(vp, [builder.mul(b, _const_i64(per_block))]) for vp in vec_ptrs]
@@ -190,15 +214,23 @@ def _block_dots(bb: int, R: int, V: int):
                                 t = qx if t is None else builder.fadd(t, qx, flags=_FAST)
                             total = builder.fadd(total, builder.fmul(_broadcast(builder, scale), t, flags=_FAST), flags=_FAST)
                         builder.store(total, acc)
-                        if offs:
+                        if isinstance(offs, ir.Value):  # K-quants: 8 sub-blocks' mins times their 32-sums
+                            o = koffsets[k * V + j]
+                            xs8 = builder.load(builder.bitcast(sums_b[j], _VF8.as_pointer()), align=4)
+                            builder.store(builder.fadd(builder.load(o), builder.fmul(offs, xs8, flags=_FAST), flags=_FAST), o)
+                        elif offs:
                             o = offsets[k * V + j]
                             off = builder.load(o)
                             for coef, sub in offs:
                                 xs = builder.load(builder.gep(sums_b[j], [_const_i64(sub)]))
                                 off = builder.fadd(off, builder.fmul(coef, xs, flags=_FAST), flags=_FAST)
                             builder.store(off, o)
-            outs = [builder.fadd(_reduce(builder, builder.load(accs[i])), builder.load(offsets[i]), flags=_FAST)
-                    for i in range(R * V)]
+            if bb in (144, 176):
+                outs = [builder.fadd(_reduce(builder, builder.load(accs[i])), _reduce(builder, builder.load(koffsets[i])),
+                                     flags=_FAST) for i in range(R * V)]
+            else:
+                outs = [builder.fadd(_reduce(builder, builder.load(accs[i])), builder.load(offsets[i]), flags=_FAST)
+                        for i in range(R * V)]
             return context.make_tuple(builder, signature.return_type, outs)
 
         return sig, codegen

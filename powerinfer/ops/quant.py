@@ -119,9 +119,6 @@ def _byte_to_float(kind: str):
             if kind == "hi":
                 return builder.sitofp(builder.zext(builder.lshr(v, ir.Constant(ir.IntType(8), 4)), ir.IntType(32)),
                                       ir.FloatType())
-            if kind.startswith("b"):  # a 2-bit field at bit kind[1]
-                field = builder.and_(builder.lshr(v, ir.Constant(ir.IntType(8), int(kind[1]))), ir.Constant(ir.IntType(8), 3))
-                return builder.sitofp(builder.zext(field, ir.IntType(32)), ir.FloatType())
             if kind == "u8":
                 return builder.sitofp(builder.zext(v, ir.IntType(32)), ir.FloatType())
             return builder.sitofp(builder.sext(v, ir.IntType(32)), ir.FloatType())
@@ -132,7 +129,6 @@ def _byte_to_float(kind: str):
 
 
 _lo, _hi, _s8, _u8 = _byte_to_float("lo"), _byte_to_float("hi"), _byte_to_float("s8"), _byte_to_float("u8")
-_b0, _b2, _b4, _b6 = (_byte_to_float(f"b{k}") for k in (0, 2, 4, 6))
 
 
 @njit(inline="always", fastmath=True)

@@ -31,17 +31,12 @@ _F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntTyp
 _LANES = 16
 _VF = ir.VectorType(_F32, _LANES)
 _VF8 = ir.VectorType(_F32, 8)
-_FAST = ("contract",)  # FMAs, no reassociation: every context rounds alike
+_FUSE = ("contract",)  # FMAs, no reassociation: every context rounds alike
 _REASSOC = ("fast",)
 
 
 def _const_i64(k: int) -> ir.Constant:
     return ir.Constant(_I64, k)
-
-
-def _broadcast(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
-    v = builder.insert_element(ir.Constant(_VF, None), x, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES))
 
 
 def _load_half(builder: ir.IRBuilder, p: ir.Value, offset: int) -> ir.Value:
@@ -96,7 +91,8 @@ def _k4_scales_mins(builder: ir.IRBuilder, p: ir.Value) -> tuple[ir.Value, ir.Va
     return builder.uitofp(sc, f8), builder.uitofp(m, f8)
 
 
-def _splat_f(builder: ir.IRBuilder, x: ir.Value, n: int) -> ir.Value:
+def _splat_f(builder: ir.IRBuilder, x: ir.Value, n: int = _LANES) -> ir.Value:
+    """The fp32 scalar x in all n lanes."""
     vt = ir.VectorType(_F32, n)
     v = builder.insert_element(ir.Constant(vt, None), x, ir.Constant(_I32, 0))
     return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), [0] * n))
@@ -131,7 +127,7 @@ def _block_parts(builder: ir.IRBuilder, p: ir.Value, bb: int):
     if bb == 210:  # Q6_K: 16 sub-blocks of 16, scale d * int8 sc, quant 6 bits - 32
         d = _load_half(builder, p, 208)
         sc16 = builder.sitofp(_bytes(builder, p, 192), _VF)  # the 16 int8 scales, then times d
-        scales = builder.fmul(sc16, _splat_f(builder, d, 16), flags=_FAST)
+        scales = builder.fmul(sc16, _splat_f(builder, d, 16), flags=_FUSE)
         groups = []
         for half in range(2):
             for i in range(2):
@@ -151,8 +147,8 @@ def _block_parts(builder: ir.IRBuilder, p: ir.Value, bb: int):
     d, dmin = _load_half(builder, p, 0), _load_half(builder, p, 2)
     qs_at = 16 if bb == 144 else 48
     sc8, m8 = _k4_scales_mins(builder, p)
-    scales = builder.fmul(sc8, _splat_f(builder, d, 8), flags=_FAST)
-    mins = builder.fmul(m8, _splat_f(builder, builder.fmul(dmin, ir.Constant(_F32, -1.0), flags=_FAST), 8), flags=_FAST)
+    scales = builder.fmul(sc8, _splat_f(builder, d, 8), flags=_FUSE)
+    mins = builder.fmul(m8, _splat_f(builder, builder.fmul(dmin, ir.Constant(_F32, -1.0), flags=_FUSE), 8), flags=_FUSE)
     groups = []
     for j in range(8):
         pair, high = j // 2, j % 2 == 1
@@ -181,6 +177,7 @@ def _block_dots(bb: int, R: int, V: int):
     blocks' weights long); sums of V addresses of their 32-sums (read by the formats with
     offsets: Q4_1, Q5_1, Q4_K, Q5_K)."""
     per_block = 256 if bb in (144, 176, 210) else 32
+    k_mins = bb in (144, 176)  # Q4_K, Q5_K: _block_parts gives their offsets as one vector
 
     @intrinsic
     def block_dots(typingctx, rows, nb, vecs, sums):
@@ -194,8 +191,9 @@ def _block_dots(bb: int, R: int, V: int):
             vec_ptrs = [builder.inttoptr(builder.extract_value(vecs_t, j), f32p) for j in range(V)]
             sum_ptrs = [builder.inttoptr(builder.extract_value(sums_t, j), f32p) for j in range(V)]
             accs = [cgutils.alloca_once_value(builder, ir.Constant(_VF, [0.0] * _LANES)) for _ in range(R * V)]
-            offsets = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(R * V)]
-            koffsets = [cgutils.alloca_once_value(builder, ir.Constant(_VF8, [0.0] * 8)) for _ in range(R * V)]
+            # offset sums: one scalar per pair, or 8 lanes (a K-quant block's sub-blocks)
+            zero = ir.Constant(_VF8, [0.0] * 8) if k_mins else ir.Constant(_F32, 0.0)
+            offsets = [cgutils.alloca_once_value(builder, zero) for _ in range(R * V)]
             with cgutils.for_range(builder, nb_v) as loop:
                 b = loop.index
                 vecs_b = [builder.gep(vp, [builder.mul(b, _const_i64(per_block))]) for vp in vec_ptrs]
@@ -210,27 +208,25 @@ def _block_dots(bb: int, R: int, V: int):
                             for first, q in chunks:
                                 x = builder.load(builder.bitcast(builder.gep(vecs_b[j], [_const_i64(first)]), _VF.as_pointer()),
                                                  align=4)
-                                qx = builder.fmul(q, x, flags=_FAST)
-                                t = qx if t is None else builder.fadd(t, qx, flags=_FAST)
-                            total = builder.fadd(total, builder.fmul(_broadcast(builder, scale), t, flags=_FAST), flags=_FAST)
+                                qx = builder.fmul(q, x, flags=_FUSE)
+                                t = qx if t is None else builder.fadd(t, qx, flags=_FUSE)
+                            total = builder.fadd(total, builder.fmul(_splat_f(builder, scale), t, flags=_FUSE), flags=_FUSE)
                         builder.store(total, acc)
-                        if isinstance(offs, ir.Value):  # K-quants: 8 sub-blocks' mins times their 32-sums
-                            o = koffsets[k * V + j]
+                        if k_mins:  # 8 sub-blocks' mins times their 32-sums
+                            o = offsets[k * V + j]
                             xs8 = builder.load(builder.bitcast(sums_b[j], _VF8.as_pointer()), align=4)
-                            builder.store(builder.fadd(builder.load(o), builder.fmul(offs, xs8, flags=_FAST), flags=_FAST), o)
+                            builder.store(builder.fadd(builder.load(o), builder.fmul(offs, xs8, flags=_FUSE), flags=_FUSE), o)
                         elif offs:
                             o = offsets[k * V + j]
                             off = builder.load(o)
                             for coef, sub in offs:
                                 xs = builder.load(builder.gep(sums_b[j], [_const_i64(sub)]))
-                                off = builder.fadd(off, builder.fmul(coef, xs, flags=_FAST), flags=_FAST)
+                                off = builder.fadd(off, builder.fmul(coef, xs, flags=_FUSE), flags=_FUSE)
                             builder.store(off, o)
-            if bb in (144, 176):
-                outs = [builder.fadd(_reduce(builder, builder.load(accs[i])), _reduce(builder, builder.load(koffsets[i])),
-                                     flags=_FAST) for i in range(R * V)]
-            else:
-                outs = [builder.fadd(_reduce(builder, builder.load(accs[i])), builder.load(offsets[i]), flags=_FAST)
-                        for i in range(R * V)]
+            outs = []
+            for acc, o in zip(accs, offsets):
+                off = _reduce(builder, builder.load(o)) if k_mins else builder.load(o)
+                outs.append(builder.fadd(_reduce(builder, builder.load(acc)), off, flags=_FUSE))
             return context.make_tuple(builder, signature.return_type, outs)
 
         return sig, codegen

@@ -82,7 +82,9 @@ def test_converter_gguf_matches_transformers(name, converted):
 
 @pytest.mark.parametrize("name", ["gemma3"])  # the most decoder options; the Q8_0 kernel is family-blind
 def test_converter_q8_0_native_matches_dequantized(name, converted):
-    """The converter's Q8_0 file run on its blocks equals the same file widened to fp32."""
+    """The converter's Q8_0 file run on its blocks is the same file widened to fp32, but for
+    the int8 rounding of the activations (about 1/254 of each 32 values' largest): logits
+    on average within 0.5% of their range (5% at most) and the same next tokens."""
     _, gguf = converted(name, "q8_0")
     native = load(str(gguf), dtype="native", with_tokenizer=False).model
     widened = load(str(gguf), dtype="fp32", with_tokenizer=False).model
@@ -90,4 +92,6 @@ def test_converter_q8_0_native_matches_dequantized(name, converted):
     tokens = torch.arange(3, 15)
     a = native.forward(tokens, native.new_cache(12), all_logits=True)
     b = widened.forward(tokens, widened.new_cache(12), all_logits=True)
-    torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-3)
+    span = b.max() - b.min()
+    assert (a - b).abs().mean() < 0.005 * span and (a - b).abs().max() < 0.05 * span
+    assert torch.equal(a.argmax(-1), b.argmax(-1))

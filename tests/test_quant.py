@@ -1,6 +1,7 @@
 """GGUF quantized blocks kept as they are (ops/quant.py): every kernel against its reference
-twin (gguf's dequantize, then the fp32 op), every format, odd shapes, 1 and 2 threads; and
-the dense engine on the default model's own Q4_1/Q8_0 weights against the fp32 path."""
+twin (gguf's dequantize and the activations quantized to int8 per 32 as the kernels
+quantize them, then the fp32 op), every format, odd shapes, 1 and 2 threads; and the dense
+engine on the default model's own Q4_1/Q8_0 weights against the fp32 path."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from powerinfer.ops import cpu, decode, panels, quant, reference
+from powerinfer.ops import block_ir, cpu, decode, panels, quant, reference
 from powerinfer.ops.activations import activation_id
 from powerinfer.ops.linear import Linear
 from powerinfer.ops.weights import QuantWeight, weight_for
@@ -24,6 +25,11 @@ FORMATS = list(quant.FORMATS)
 
 
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def acts(x: torch.Tensor) -> torch.Tensor:
+    """x as the block kernels multiply it: int8 per 32 values, one scale each."""
+    return torch.from_numpy(block_ir.reference_acts(x.float().numpy()))
 
 
 def quantized(rows: int, cols: int, fmt: str, seed: int = 0) -> torch.Tensor:
@@ -61,36 +67,64 @@ def test_gemv_matches_reference(fmt, rows, cols, threads):
         panels.gemv_any(t.numpy(), x.numpy(), b.numpy(), res.numpy(), out, threads)
     finally:
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
-    torch.testing.assert_close(torch.from_numpy(out), reference.gemv(dense, x, b, res), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.from_numpy(out), reference.gemv(dense, acts(x), b, res), atol=2e-4, rtol=1e-4)
 
 
-AVX2_ONLY = {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx,+avx2,+fma,+f16c,+sse4.2,+popcnt,-avx512f,-avx512vl,-avx512bw"}
-AVX2_CHECK = """
+# compile targets other than this machine: the integer dots each kind of CPU gets
+OTHER_CPUS = {
+    "avx2": ({"NUMBA_CPU_NAME": "haswell",
+              "NUMBA_CPU_FEATURES": "+avx,+avx2,+fma,+f16c,+sse4.2,+popcnt,-avx512f,-avx512vl,-avx512bw,-avx512vnni"},
+             "vpmaddubsw"),
+    "generic": ({"NUMBA_CPU_NAME": "ivybridge", "NUMBA_CPU_FEATURES": "+avx,+f16c,+sse4.2,+popcnt,-avx2,-fma,-avx512f"},
+                "vpmulld"),
+}
+DOTS_SCRIPT = """
 import numpy as np, torch, sys
-from powerinfer.ops import cpu, quant
+from powerinfer.ops import block_ir, cpu, quant
 sys.path.insert(0, "tests")
 from test_quant import quantized
+out = []
 for fmt in quant.FORMATS:
     t = quantized(35, 512, fmt, seed=3)
     v = np.random.default_rng(1).standard_normal(512).astype(np.float32)
     y = np.zeros(35, np.float32)
     quant.add_matvec_q(t.numpy(), v, cpu.NO_BIAS, y, 2)
-    want = quant.dequantize(t).numpy() @ v
-    assert np.allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()), (fmt, np.abs(y - want).max())
-asm = "".join(quant.add_matvec_q.inspect_asm().values())
-assert "ymm" in asm and "zmm" not in asm
-print("ok")
+    out.append(y.tobytes().hex())
+print(block_ir._isa())
+print("zmm" in "".join(quant.add_matvec_q.inspect_asm().values()))
+print("".join(quant.add_matvec_q.inspect_asm().values()).count(globals().get("INSTRUCTION") or sys.argv[1]) > 0)
+print(" ".join(out))
 """
 
 
-def test_block_dots_compiled_for_an_avx2_only_cpu(tmp_path):
-    """Machines differ (some AVX-512, some AVX2 only) and numba compiles for the host: the
-    GEMV compiled for an AVX2-only CPU (no 512-bit registers in its code) matches the
-    reference on every format."""
-    env = {**os.environ, **AVX2_ONLY, "NUMBA_CACHE_DIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True, text=True, timeout=600,
+def _dots_on(env: dict[str, str] | None, tmp_path, instruction: str) -> list[str]:
+    if env is None:  # this machine, in this process
+        out: list[str] = []
+        exec(DOTS_SCRIPT, {"print": lambda x: out.append(str(x)), "__name__": "dots", "INSTRUCTION": instruction})
+        return out
+    out = subprocess.run([sys.executable, "-c", DOTS_SCRIPT, instruction], env={**os.environ, **env,
+                         "NUMBA_CACHE_DIR": str(tmp_path)}, capture_output=True, text=True, timeout=600,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.split("\n")
+
+
+@pytest.mark.parametrize("isa", list(OTHER_CPUS))
+def test_block_dots_compiled_for_other_cpus_give_the_same_bits(isa, tmp_path):
+    """Machines differ (some AVX-512 VNNI, some AVX2 only, older ones neither) and numba
+    compiles for the host: the GEMV compiled for each other kind of CPU uses that CPU's
+    integer dot (no 512-bit registers) and returns this machine's results, every format:
+    bit for bit where the CPU fuses multiply-adds (the integer dots are exact and the float
+    steps alike), to an ulp or two where it has no FMA."""
+    env, instruction = OTHER_CPUS[isa]
+    there = _dots_on(env, tmp_path, instruction)
+    here = _dots_on(None, tmp_path, "vpdpbusd")
+    assert there[0] == isa and there[1] == "False" and there[2] == "True", there[:3]
+    if isa == "avx2":
+        assert there[3] == here[3]
+    else:
+        a, b = (np.frombuffer(bytes.fromhex("".join(x.split())), dtype=np.float32) for x in (there[3], here[3]))
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -104,9 +138,22 @@ def test_dequantize_rows_and_tiled_matmul_match_reference(fmt, monkeypatch):
     monkeypatch.setattr(quant, "TILE_ROWS", 64)  # several tiles and a short last one
     x = torch.randn(9, cols)
     b = torch.randn(300)
-    torch.testing.assert_close(quant.matmul(t, x, b), x @ dense.t() + b, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(quant.matmul(t, x, b), acts(x) @ dense.t() + b, atol=2e-4, rtol=1e-4)
     ids = torch.tensor([0, 299, 5, 5])
     torch.testing.assert_close(quant.embedding(t, ids), dense[ids])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tiled_matmul_rows_equal_the_gemv(fmt):
+    """Prefill (4 x 4 tiles of rows and tokens, edges alone) and decode (the GEMV) run each
+    (row, token) dot alike: the same bits."""
+    t = quantized(23, 512, fmt, seed=5)
+    x = torch.randn(7, quant.shape_of(t)[1])
+    tiled = quant.matmul(t, x)
+    for k in range(7):
+        y = np.zeros(23, dtype=np.float32)
+        quant.add_matvec_q(t.numpy(), x[k].numpy(), cpu.NO_BIAS, y, 2)
+        assert torch.equal(tiled[k], torch.from_numpy(y))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -119,7 +166,7 @@ def test_linear_on_quantized_blocks(fmt):
     dense = Linear(quant.dequantize(t), lin.bias)
     for tokens in (1, 3, 12):  # one GEMV per token, and the tiled GEMM
         x = torch.randn(tokens, cols)
-        torch.testing.assert_close(lin(x), dense(x), atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(lin(x), dense(acts(x)), atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -131,14 +178,17 @@ def test_fused_decode_kernels_read_quantized_blocks(fmt):
     x = np.zeros(d, dtype=np.float32)
     decode.dense_ffn(h, w_in.numpy(), cpu.NO_BIAS, w_out.numpy(), cpu.NO_BIAS, True, activation_id("silu"), -1, 0,
                      np.float32(0.0), x, panels.threads())
-    g = quant.dequantize(w_in) @ torch.from_numpy(h)
-    expected = quant.dequantize(w_out) @ (torch.nn.functional.silu(g[:n_ff]) * g[n_ff:])
+    g = quant.dequantize(w_in) @ acts(torch.from_numpy(h))
+    expected = quant.dequantize(w_out) @ acts(torch.nn.functional.silu(g[:n_ff]) * g[n_ff:])
     torch.testing.assert_close(torch.from_numpy(x), expected, atol=2e-4, rtol=1e-4)
 
 
 def test_default_model_runs_on_its_own_blocks(smollm2_path):
     """The embedded Q4_1 model (Q8_0 embeddings) in native dtype: blocks, no float copies,
-    logits close to the dequantize-to-fp32 path, the same 64 greedy tokens."""
+    logits near the dequantize-to-fp32 path (the activations are rounded to int8 per 32
+    values, as llama.cpp rounds them), and 64 greedy chat tokens on two prompts that take
+    the fp32 path's choice wherever that choice is not a near-tie (issue 19's quality check:
+    where they part, the fp32 model's logit for our token is within 0.3 of its best)."""
     import powerinfer
 
     native = powerinfer.load(smollm2_path, dtype="native")
@@ -149,14 +199,30 @@ def test_default_model_runs_on_its_own_blocks(smollm2_path):
     assert m.layers[0].attn.qkv.w.quant_format == "Q4_1" and m.lm_head.w.quant_format == "Q8_0"
     assert not any(t.is_floating_point() and t.dim() == 2 and t.numel() > 100_000 for t in m.tensors())
     ids = torch.tensor(ref.tokenizer.encode("The capital of France is"))
-    torch.testing.assert_close(m.forward(ids, m.new_cache(64), all_logits=True),
-                               ref.model.forward(ids, ref.model.new_cache(64), all_logits=True), atol=1e-3, rtol=1e-3)
-    cache_n, cache_r = m.new_cache(64), ref.model.new_cache(64)
-    for tok in ids:  # decode: the numba block kernels
-        torch.testing.assert_close(m.forward(tok[None], cache_n), ref.model.forward(tok[None], cache_r), atol=2e-3,
-                                   rtol=1e-3)
-    kw = dict(max_tokens=64, temperature=0)  # 64 greedy tokens equal (issue 19's quality check)
-    assert powerinfer.generate(native, "Why is the sky blue?", **kw) == powerinfer.generate(ref, "Why is the sky blue?", **kw)
+    prefill = m.forward(ids, m.new_cache(64), all_logits=True)
+    fp32 = ref.model.forward(ids, ref.model.new_cache(64), all_logits=True)
+    assert (prefill - fp32).abs().mean() < 0.3 and (prefill - fp32).abs().max() < 2.5  # logits span about 50
+    assert torch.equal(prefill.argmax(-1), fp32.argmax(-1))
+    cache = m.new_cache(64)
+    decode = torch.stack([m.forward(tok[None], cache) for tok in ids])  # the GEMV; prefill took the tiles
+    # the two routes' attention rounds apart by ~1e-7, enough to move a few activations to the
+    # next int8 step; 30 layers carry that as far as the int8 rounding itself goes
+    assert torch.equal(decode.argmax(-1), prefill.argmax(-1)) and (decode - prefill).abs().mean() < 0.3
+    parted = 0
+    for question in ("Why is the sky blue?", "Write a poem about the sea."):
+        prompt = native.tokenizer.encode_chat([{"role": "user", "content": question}])
+        cache, out = m.new_cache(256), []
+        logits = m.forward(torch.tensor(prompt), cache)
+        for _ in range(64):
+            out.append(int(logits.argmax()))
+            logits = m.forward(torch.tensor(out[-1:]), cache)
+        assert len(set(out)) > 10  # a real completion, not an end-of-text
+        teacher = ref.model.forward(torch.tensor(prompt + out), ref.model.new_cache(256), all_logits=True)
+        best = teacher[len(prompt) - 1 : -1]
+        gap = best.max(-1).values - best[torch.arange(64), torch.tensor(out)]
+        assert gap.max() <= 0.3, gap.max()
+        parted += int((gap > 0).sum())
+    assert parted < 16  # near-ties are rare; the fp32 path is taken elsewhere
 
 
 def test_fused_rows_of_mixed_formats_are_widened_and_noted():
@@ -216,10 +282,10 @@ def test_ffn_over_quantized_rows_matches_reference(fmt, gated, tokens, subset):
         c = criterion.for_ffn(gated)
         wg, wd = quant.dequantize(w_gate), quant.dequantize(wt_down)
         if gated:
-            expected = reference.sparse_gated_ffn(wg, quant.dequantize(w_up), wd, x, ref_idx, "silu", None, c.label,
+            expected = reference.sparse_gated_ffn(wg, quant.dequantize(w_up), wd, acts(x), ref_idx, "silu", None, c.label,
                                                   0.02)[0]
         else:
-            a = reference.sparse_row_gemv(wg, x, ref_idx, b_in, "relu")
+            a = reference.sparse_row_gemv(wg, acts(x), ref_idx, b_in, "relu")
             expected = reference.sparse_col_axpy(wd, torch.where(a.abs() <= 0.02, 0.0, a) if c != Criterion.NONE else a,
                                                  ref_idx)
         torch.testing.assert_close(got, expected, atol=3e-4, rtol=1e-3)
@@ -298,7 +364,8 @@ def test_packed_default_model_keeps_its_blocks(smollm2_path, tmp_path):
     prefill = m.forward(ids, m.new_cache(64), all_logits=True)  # tiles, both tiers
     cache = m.new_cache(64)
     decode = torch.stack([m.forward(t[None], cache) for t in ids])  # quant_sparse row kernels
-    torch.testing.assert_close(decode, prefill, atol=1e-3, rtol=1e-4)  # the two routes agree
+    # the two routes agree (to the int8 activations' rounding, see the test above)
+    assert torch.equal(decode.argmax(-1), prefill.argmax(-1)) and (decode - prefill).abs().mean() < 0.3
     dense = ref.forward(ids, ref.new_cache(64), all_logits=True)
     # against the dense model only the Q8_0 requantization of the down projection differs:
     # the same next tokens, logits within a few percent (perplexity +0.27%, docs/BENCHMARKS.md)

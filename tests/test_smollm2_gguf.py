@@ -16,6 +16,11 @@ def ours(smollm2_path):
 
 
 @pytest.fixture(scope="module")
+def ours_fp32(smollm2_path):
+    return powerinfer.load(smollm2_path, dtype="fp32")
+
+
+@pytest.fixture(scope="module")
 def oracle(smollm2_path):
     from transformers import AutoModelForCausalLM
 
@@ -30,16 +35,24 @@ def test_config_read_from_gguf(ours):
     assert a.tie_embeddings and a.act == "silu"
 
 
-def test_logits_match_transformers(ours, oracle):
+def test_logits_match_transformers(ours, ours_fp32, oracle):
+    """Dequantized to fp32, our model code equals transformers' on the same file (prefill, then
+    decode steps); on the file's own blocks (int8 activations, as llama.cpp) the logits stay
+    near and pick the same tokens."""
     ids = ours.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
     tokens = torch.tensor(ids)
     with torch.no_grad():
         expected = oracle(tokens[None]).logits[0]
-    cache = ours.model.new_cache(len(ids))
-    got = torch.cat([ours.model.forward(tokens[:-3], cache, all_logits=True)] +
-                    [ours.model.forward(tokens[i : i + 1], cache, all_logits=True) for i in range(len(ids) - 3, len(ids))])
-    torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
-    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    for lm, exact in ((ours_fp32, True), (ours, False)):
+        cache = lm.model.new_cache(len(ids))
+        got = torch.cat([lm.model.forward(tokens[:-3], cache, all_logits=True)] +
+                        [lm.model.forward(tokens[i : i + 1], cache, all_logits=True)
+                         for i in range(len(ids) - 3, len(ids))])
+        if exact:
+            torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
+        else:
+            assert (got - expected).abs().mean() < 0.3 and (got - expected).abs().max() < 2.5
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
 def test_greedy_continuation_names_paris(ours):

@@ -24,7 +24,7 @@ from .cpu import STREAMS, _act, attend_head, dot4, row_dot, rms_norm, write_kv
 from .decode import _gated_value
 from .numba_half import widen
 from .panels import in_features
-from .block_ir import block_sums, dot_row, dot_vecs2, dot_vecs4
+from .block_ir import dot_row, dot_vecs2, dot_vecs4, quantize_acts_rows
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -90,11 +90,8 @@ def add_matvec_q(w, V, b, X, threads):
     """X[s] += W V[s] (+ b), W in GGUF blocks, for a batch (B >= 2; one vector takes
     `quant.add_matvec_q`): four vectors at a time through one widening of each block
     (`add_matvec_4v`)."""
-    B, cols = V.shape
-    xs = np.empty((B, cols // 32), dtype=np.float32)
-    for s in range(B):
-        xs[s] = block_sums(V[s])
-    add_matvec_4v(w, V, xs, X)
+    B = V.shape[0]
+    add_matvec_4v(w, quantize_acts_rows(V, w.shape[2]), X)
     n = w.shape[0]
     if b.shape[0] > 0:
         for k in range(n):
@@ -222,25 +219,25 @@ def attend(QKV, pos, cos, sin, k_caches, v_caches, n_heads, n_kv, head_dim, scal
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def add_matvec_4v(w, V, xs, X):
+def add_matvec_4v(w, QA, X):
     """X[s] += W V[s] for W in GGUF blocks (any format), four vectors per pass over a row (each
-    block widened once for the four: register blocking), the rest two and one at a time.
-    xs[s] holds V[s]'s 32-sums. Each (row, vector) dot runs as in the one-vector GEMV
-    (block_ir), so the rows equal solo."""
-    n, B = w.shape[0], V.shape[0]
+    block unpacked once for the four: register blocking), the rest two and one at a time.
+    QA[s] holds V[s]'s int8 activation records (`block_ir.quantize_acts_rows`). Each (row,
+    vector) dot runs as in the one-vector GEMV (block_ir), so the rows equal solo."""
+    n, B = w.shape[0], QA.shape[0]
     fours = B // 4 * 4
     for i in prange(n):
         for s in range(0, fours, 4):
-            a0, a1, a2, a3 = dot_vecs4(w, i, V, s, s + 1, s + 2, s + 3, xs)
+            a0, a1, a2, a3 = dot_vecs4(w, i, QA, s, s + 1, s + 2, s + 3)
             X[s, i] += a0
             X[s + 1, i] += a1
             X[s + 2, i] += a2
             X[s + 3, i] += a3
         s = fours
         if B - s >= 2:  # the rest: two at a time, then one
-            a0, a1 = dot_vecs2(w, i, V, s, s + 1, xs)
+            a0, a1 = dot_vecs2(w, i, QA, s, s + 1)
             X[s, i] += a0
             X[s + 1, i] += a1
             s += 2
         if s < B:
-            X[s, i] += dot_row(w, i, V[s], xs[s])
+            X[s, i] += dot_row(w, i, QA[s])

@@ -1,82 +1,233 @@
-"""GGUF block dots written as LLVM vector IR (numba intrinsics), for every block format.
+"""GGUF block dots with int8 activations and integer dot products, as LLVM vector IR.
 
-Hand-written because no library gives numba a quantized dot product, and numba's own loops
-reduce each 32-weight block to a scalar before the next (a horizontal sum per block, which
-bound the old kernels at 12-15 G weights/s). Here every (row, vector) pair keeps a 16-lane
-fp32 accumulator across the whole row, as ggml's kernels do, and reduces it once at the end:
-per block, the quants (nibbles, 5-bit and 6-bit values from their bit planes, int8) are
-widened to fp32 lanes in vector IR, multiplied by the activations, and added with their
-(sub-)block's scale broadcast; per-(sub-)block offsets (Q4_1, Q5_1, the K-quants' mins)
-multiply precomputed sums of 32 activations. Additions are not reassociated (only fused),
-so a dot rounds alike wherever it is inlined. The activations
-stay fp32 (not quantized to int8 as llama.cpp does), so a dot equals the
-dequantize-then-fp32 reference to float rounding; LLVM compiles the IR for the host (AVX2
-or AVX-512), as numba does. Measured numbers: docs/BENCHMARKS.md, "Quantized GEMV".
+Hand-written because no library gives numba a quantized dot product. The activations are
+quantized per 32 values to int8 with one fp32 scale (ggml's Q8_0 rule: d = max|x| / 127,
+q = round(x / d)), once per vector per matrix, into records that sit next to each weight
+block (`quantize_acts`). A weight block's quants are unpacked to unsigned bytes (nibbles,
+5- and 6-bit values from their bit planes; Q8_0's int8) and multiplied with the int8
+activations 32 at a time into eight exact int32 sums of four products each: one vpdpbusd
+on AVX-512 VNNI, pmaddubsw + pmaddwd on AVX2, plain widening multiplies elsewhere, chosen
+by the compile target's features (`_isa`). All three give the same integers, so results do
+not depend on the CPU. A format's bias (Q4_0's 8, Q5_0's 16, Q6_K's 32, Q8_0's 128 when its
+int8 is read as unsigned) is taken off in integers with the activations' 4-sums; the
+int32 lanes are then converted and fused into an 8-lane fp32 accumulator per (row, vector)
+with the block's scale times the activations' scale, and reduced once per row. Offsets
+(Q4_1, Q5_1 m; the K-quants' mins) multiply the activations' fp32 32-sums.
 
-A dot over R rows and V vectors shares each block's widening among the vectors and each
-block of activations among the rows; every (row, vector) pair runs the same operations in
-the same order whatever R and V are, so a batched decode equals the one-token decode bit
-for bit.
+Why int8 activations (as llama.cpp does): widening every weight to fp32 costs two
+conversions and three fp32 operations per 16 weights and bound the fp32 lane dots below
+the memory bus on 2 cores; the integer dot does 32 weights in one to three instructions,
+and an extra vector (batched decode, prefill) costs a dot, not a widening. The price is the
+activations' rounding (about 0.4% of a block's largest value), the same llama.cpp pays;
+the reference twin quantizes the activations the same way (`reference_acts`) and then
+runs the fp32 op on dequantized weights.
+
+A dot over R rows and V vectors unpacks each weight block once for the V vectors and reads
+each activation record once for the R rows; every (row, vector) pair runs the same
+operations in the same order whatever R and V are, so a batched decode equals the one-token
+decode bit for bit.
 """
 
 from __future__ import annotations
 
-from llvmlite import ir
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
-from numba.core import cgutils
+from numba.core import cgutils, config
 from numba.extending import intrinsic
 
-_F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
-_LANES = 16
-_VF = ir.VectorType(_F32, _LANES)
-_VF8 = ir.VectorType(_F32, 8)
+_F32, _I8, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_VF8, _VI8 = ir.VectorType(_F32, 8), ir.VectorType(_I32, 8)
+_VB32, _VB16 = ir.VectorType(_I8, 32), ir.VectorType(_I8, 16)
 _FUSE = ("contract",)  # FMAs, no reassociation: every context rounds alike
-_REASSOC = ("fast",)
+K_BLOCK_BYTES = (144, 176, 210)  # Q4_K, Q5_K, Q6_K: 256 weights per block; the others 32
 
 
-def _const_i64(k: int) -> ir.Constant:
+def per_block(bb: int) -> int:
+    """Weights per block of a format with bb bytes per block."""
+    return 256 if bb in K_BLOCK_BYTES else 32
+
+
+def record_bytes(bb: int) -> int:
+    """Bytes of one activation record (the activations under one weight block): int8 q[P],
+    int32 4-sums[P / 4], fp32 scales[P / 32], fp32 32-sums[P / 32]."""
+    n = per_block(bb) // 32
+    return 32 * n + 32 * n + 4 * n + 4 * n
+
+
+def _isa() -> str:
+    """The integer dot the compile target has: "vnni" (AVX-512 VNNI), "avx2" or "generic".
+    numba compiles for NUMBA_CPU_NAME / NUMBA_CPU_FEATURES when set, else for the host."""
+    import llvmlite.binding as llvm
+
+    if config.CPU_FEATURES:
+        feats = {f[1:] for f in config.CPU_FEATURES.split(",") if f.startswith("+")}
+    elif config.CPU_NAME in (None, "host"):
+        feats = {k for k, v in llvm.get_host_cpu_features().items() if v}
+    else:
+        feats = set()
+    if {"avx512vnni", "avx512vl", "avx512bw"} <= feats:
+        return "vnni"
+    return "avx2" if "avx2" in feats else "generic"
+
+
+# ---------------------------------------------------------------- activations
+
+
+@njit
+def _quantize_into(v, bb, out):
+    """v's records for weight blocks of bb bytes into out (uint8, blocks * record bytes).
+    Strict IEEE arithmetic (no fastmath, not inlined into fastmath callers): a value on a
+    rounding boundary rounds as in `reference_acts`."""
+    P = 256 if bb == 144 or bb == 176 or bb == 210 else 32
+    n = P // 32
+    rec = 72 * n  # P + 32n + 4n + 4n = 72n
+    q8, i32, f32 = out.view(np.int8), out.view(np.int32), out.view(np.float32)
+    for blk in range(v.shape[0] // 32):
+        b, k = blk // n, blk % n
+        base = b * rec
+        amax = np.float32(0.0)
+        for j in range(32):
+            amax = max(amax, abs(v[32 * blk + j]))
+        d = amax / np.float32(127.0)
+        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+        total = 0
+        for g in range(8):
+            gsum = 0
+            for j in range(4):
+                q = np.int32(np.rint(v[32 * blk + 4 * g + j] * inv))
+                q8[base + 32 * k + 4 * g + j] = q
+                gsum += q
+            i32[(base + P) // 4 + 8 * k + g] = gsum
+            total += gsum
+        f32[(base + P + 32 * n) // 4 + k] = d
+        f32[(base + P + 36 * n) // 4 + k] = d * np.float32(total)
+
+
+@njit
+def quantize_acts(v, bb):
+    """fp32 activations v (cols,) as int8 records for weight blocks of bb bytes (uint8,
+    (cols / P) * record_bytes(bb)): the one pass over v a set of dots shares."""
+    P = 256 if bb == 144 or bb == 176 or bb == 210 else 32
+    out = np.empty(v.shape[0] // P * (72 * (P // 32)), dtype=np.uint8)
+    _quantize_into(v, bb, out)
+    return out
+
+
+@njit
+def quantize_acts_rows(V, bb):
+    """`quantize_acts` for every row of V (B, cols): (B, record bytes per row)."""
+    P = 256 if bb == 144 or bb == 176 or bb == 210 else 32
+    out = np.empty((V.shape[0], V.shape[1] // P * (72 * (P // 32))), dtype=np.uint8)
+    for s in range(V.shape[0]):
+        _quantize_into(V[s], bb, out[s])
+    return out
+
+
+def reference_acts(v: np.ndarray) -> np.ndarray:
+    """The activations the kernels multiply: v quantized per 32 to int8 and back (numpy),
+    the reference twin's input."""
+    x = np.asarray(v, dtype=np.float32).reshape(-1, 32)
+    amax = np.abs(x).max(axis=1, keepdims=True)
+    d = amax / np.float32(127.0)
+    inv = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    return (np.rint(x * inv) * d).astype(np.float32).reshape(np.shape(v))
+
+
+# ---------------------------------------------------------------- IR helpers
+
+
+def _c64(k: int) -> ir.Constant:
     return ir.Constant(_I64, k)
 
 
-def _load_half(builder: ir.IRBuilder, p: ir.Value, offset: int) -> ir.Value:
-    ptr = builder.bitcast(builder.gep(p, [_const_i64(offset)]), ir.HalfType().as_pointer())
-    return builder.fpext(builder.load(ptr, align=1), _F32)
+def _ptr(builder: ir.IRBuilder, p: ir.Value, offset, ty: ir.Type) -> ir.Value:
+    off = offset if isinstance(offset, ir.Value) else _c64(offset)
+    return builder.bitcast(builder.gep(p, [off]), ty.as_pointer())
 
 
-def _bytes(builder: ir.IRBuilder, p: ir.Value, offset: int, n: int = 16) -> ir.Value:
-    ptr = builder.bitcast(builder.gep(p, [_const_i64(offset)]), ir.VectorType(_I8, n).as_pointer())
-    return builder.load(ptr, align=1)
+def _load(builder: ir.IRBuilder, p: ir.Value, offset, ty: ir.Type) -> ir.Value:
+    return builder.load(_ptr(builder, p, offset, ty), align=1)
 
 
-def _splat8(k: int) -> ir.Constant:
-    return ir.Constant(ir.VectorType(_I8, 16), [k] * 16)
+def _half(builder: ir.IRBuilder, p: ir.Value, offset: int) -> ir.Value:
+    return builder.fpext(_load(builder, p, offset, ir.HalfType()), _F32)
 
 
-def _byte(builder: ir.IRBuilder, p: ir.Value, offset: int) -> ir.Value:
-    return builder.load(builder.gep(p, [_const_i64(offset)]))
+def _splat(builder: ir.IRBuilder, x: ir.Value, n: int) -> ir.Value:
+    vt = ir.VectorType(x.type, n)
+    v = builder.insert_element(ir.Constant(vt, None), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), [0] * n))
 
 
-def _fifth_bits(builder: ir.IRBuilder, qh: ir.Value, first: int) -> ir.Value:
-    """Bits first..first+15 of the 32-bit qh of a Q5_0/Q5_1 block, each as 16 in a byte."""
-    v32 = ir.VectorType(_I32, 16)
-    spread = builder.shuffle_vector(builder.insert_element(ir.Constant(v32, None), qh, ir.Constant(_I32, 0)),
-                                    ir.Constant(v32, None), ir.Constant(v32, [0] * 16))
-    bits = builder.and_(builder.lshr(spread, ir.Constant(v32, list(range(first, first + 16)))), ir.Constant(v32, [1] * 16))
-    return builder.trunc(builder.shl(bits, ir.Constant(v32, [4] * 16)), ir.VectorType(_I8, 16))
+def _bytes_const(k: int, n: int = 32) -> ir.Constant:
+    return ir.Constant(ir.VectorType(_I8, n), [k] * n)
+
+
+def _concat(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
+    n = a.type.count
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n))))
+
+
+def _call(builder: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _idot(builder: ir.IRBuilder, isa: str, q: ir.Value, signed: bool, a: ir.Value, gs: ir.Value,
+          bias_shift: int | None) -> ir.Value:
+    """Eight int32 sums, lane i = sum over bytes 4i..4i+3 of (q - bias) * a, exact: q 32
+    weight quants (unsigned bytes, or int8 when signed), a 32 int8 activations, gs their
+    eight 4-sums, bias = 2**bias_shift (None: no bias)."""
+    zero = ir.Constant(_VI8, [0] * 8)
+
+    def minus_bias(x: ir.Value, shift: int) -> ir.Value:
+        return builder.sub(x, builder.shl(gs, ir.Constant(_VI8, [shift] * 8)))
+
+    if isa == "vnni":
+        init = zero if bias_shift is None else minus_bias(zero, bias_shift)
+        if signed:  # int8 as unsigned: q + 128, then 128 * the 4-sums off
+            q, init = builder.xor(q, _bytes_const(0x80)), minus_bias(init, 7)
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _VI8,
+                     [init, builder.bitcast(q, _VI8), builder.bitcast(a, _VI8)])
+    if isa == "avx2":
+        if signed:  # |q| times a with q's sign (pairs stay within int16: 2 * 128 * 127)
+            a = _call(builder, "llvm.x86.avx2.psign.b", _VB32, [a, q])
+            q = _call(builder, "llvm.abs.v32i8", _VB32, [q, ir.Constant(ir.IntType(1), 0)])
+        pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_I16, 16), [q, a])
+        sums = _call(builder, "llvm.x86.avx2.pmadd.wd", _VI8, [pairs, ir.Constant(ir.VectorType(_I16, 16), [1] * 16)])
+    else:
+        v32 = ir.VectorType(_I32, 32)
+        prod = builder.mul(builder.sext(q, v32) if signed else builder.zext(q, v32), builder.sext(a, v32))
+        sums = None
+        for j in range(4):
+            part = builder.shuffle_vector(prod, prod, ir.Constant(_VI8, list(range(j, 32, 4))))
+            sums = part if sums is None else builder.add(sums, part)
+    return sums if bias_shift is None else minus_bias(sums, bias_shift)
+
+
+def _nibbles(builder: ir.IRBuilder, src: ir.Value, high: bool) -> ir.Value:
+    n = src.type.count
+    return builder.lshr(src, _bytes_const(4, n)) if high else builder.and_(src, _bytes_const(15, n))
+
+
+def _fifth_bits(builder: ir.IRBuilder, qh: ir.Value) -> ir.Value:
+    """The 32 bits of a Q5_0/Q5_1 block's u32 qh as 32 bytes of 0 or 16 (bit j for weight j)."""
+    v32 = ir.VectorType(_I32, 32)
+    spread = _splat(builder, qh, 32)
+    bits = builder.and_(builder.lshr(spread, ir.Constant(v32, list(range(32)))), ir.Constant(v32, [1] * 32))
+    return builder.trunc(builder.shl(bits, ir.Constant(v32, [4] * 32)), _VB32)
 
 
 def _k4_scales_mins(builder: ir.IRBuilder, p: ir.Value) -> tuple[ir.Value, ir.Value]:
     """The 8 sub-blocks' 6-bit scales and mins of a Q4_K/Q5_K block as two <8 x float>
-    (ggml's get_scale_min_k4 for j = 0..7 at once; the 12 scale bytes start at byte 4):
-    j < 4: sc = q[j] & 63, m = q[j+4] & 63; j >= 4: sc = q[j+4] & 15 | (q[j-4] >> 6) << 4,
-    m = q[j+4] >> 4 | (q[j] >> 6) << 4."""
+    (ggml's get_scale_min_k4 for j = 0..7 at once; the 12 scale bytes start at byte 4)."""
     v8, v12 = ir.VectorType(_I8, 8), ir.VectorType(_I8, 12)
-    q = builder.load(builder.bitcast(builder.gep(p, [_const_i64(4)]), v12.as_pointer()), align=1)
+    q = _load(builder, p, 4, v12)
     zero = ir.Constant(v12, [0] * 12)
 
     def pick(lanes: list[int]) -> ir.Value:  # lane index 12+ reads the zero vector
-        return builder.shuffle_vector(q, zero, ir.Constant(ir.VectorType(_I32, 8), lanes))
+        return builder.shuffle_vector(q, zero, ir.Constant(_VI8, lanes))
 
     def c8(values: list[int]) -> ir.Constant:
         return ir.Constant(v8, values)
@@ -85,143 +236,132 @@ def _k4_scales_mins(builder: ir.IRBuilder, p: ir.Value) -> tuple[ir.Value, ir.Va
     sc = builder.or_(builder.and_(a, c8([63] * 4 + [15] * 4)), builder.shl(builder.lshr(b, c8([6] * 8)), c8([4] * 8)))
     c, e = pick([4, 5, 6, 7, 8, 9, 10, 11]), pick([12, 12, 12, 12, 4, 5, 6, 7])
     low = builder.shuffle_vector(builder.and_(c, c8([63] * 8)), builder.lshr(c, c8([4] * 8)),
-                                 ir.Constant(ir.VectorType(_I32, 8), [0, 1, 2, 3, 12, 13, 14, 15]))
+                                 ir.Constant(_VI8, [0, 1, 2, 3, 12, 13, 14, 15]))
     m = builder.or_(low, builder.shl(builder.lshr(e, c8([6] * 8)), c8([4] * 8)))
-    f8 = ir.VectorType(_F32, 8)
-    return builder.uitofp(sc, f8), builder.uitofp(m, f8)
+    return builder.uitofp(sc, _VF8), builder.uitofp(m, _VF8)
 
 
-def _splat_f(builder: ir.IRBuilder, x: ir.Value, n: int = _LANES) -> ir.Value:
-    """The fp32 scalar x in all n lanes."""
-    vt = ir.VectorType(_F32, n)
-    v = builder.insert_element(ir.Constant(vt, None), x, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), [0] * n))
-
-
-def _block_parts(builder: ir.IRBuilder, p: ir.Value, bb: int):
-    """A block's weights as groups sharing one fp32 scale, and its offset terms.
-
-    Returns (groups, offsets): groups is a list of (scale, [(first weight, 16 quants as
-    fp32 lanes), ...]); offsets a list of (coefficient, index of a 32-weight sub-block whose
-    sum of activations it multiplies), or for the K-quants one <8 x float> of coefficients,
-    one per sub-block. weight = scale * quant (+ coefficient, per sub-block)."""
-    if bb in (18, 20, 22, 24, 34):
-        d = _load_half(builder, p, 0)
-        if bb == 34:
-            q = builder.sitofp(_bytes(builder, p, 2, 32), ir.VectorType(_F32, 32))
-            first = ir.Constant(ir.VectorType(_I32, _LANES), list(range(_LANES)))
-            second = ir.Constant(ir.VectorType(_I32, _LANES), list(range(_LANES, 32)))
-            return [(d, [(0, builder.shuffle_vector(q, q, first)), (16, builder.shuffle_vector(q, q, second))])], []
+def _block_runs(builder: ir.IRBuilder, p: ir.Value, bb: int):
+    """A weight block as runs of 32 quants, each: (quants <32 x i8>, signed, bias shift,
+    activation block k, scale), scale an fp32 scalar or (for Q6_K) <8 x float> lanes; and
+    its offsets: [(m, k)] (Q4_1, Q5_1), or <8 x float> -dmin m_j (Q4_K, Q5_K), or none.
+    weight = scale * (quant - bias) (+ offset)."""
+    if bb == 34:
+        return [(_load(builder, p, 2, _VB32), True, None, 0, _half(builder, p, 0))], []
+    if bb in (18, 20, 22, 24):
         qs_at = {18: 2, 20: 4, 22: 6, 24: 8}[bb]
-        qs = _bytes(builder, p, qs_at)
-        lo, hi = builder.and_(qs, _splat8(15)), builder.lshr(qs, _splat8(4))
-        if bb in (22, 24):  # the fifth bits, from the u32 before qs
-            qh = builder.load(builder.bitcast(builder.gep(p, [_const_i64(qs_at - 4)]), _I32.as_pointer()), align=1)
-            lo, hi = builder.or_(lo, _fifth_bits(builder, qh, 0)), builder.or_(hi, _fifth_bits(builder, qh, 16))
-        if bb in (18, 22):  # stored + 8 (Q4_0) or + 16 (Q5_0)
-            bias = _splat8(8 if bb == 18 else 16)
-            q_lo, q_hi = builder.sitofp(builder.sub(lo, bias), _VF), builder.sitofp(builder.sub(hi, bias), _VF)
-            return [(d, [(0, q_lo), (16, q_hi)])], []
-        m = _load_half(builder, p, 2)  # Q4_1, Q5_1: + m per block
-        return [(d, [(0, builder.uitofp(lo, _VF)), (16, builder.uitofp(hi, _VF))])], [(m, 0)]
-    if bb == 210:  # Q6_K: 16 sub-blocks of 16, scale d * int8 sc, quant 6 bits - 32
-        d = _load_half(builder, p, 208)
-        sc16 = builder.sitofp(_bytes(builder, p, 192), _VF)  # the 16 int8 scales, then times d
-        scales = builder.fmul(sc16, _splat_f(builder, d, 16), flags=_FUSE)
-        groups = []
+        qs = _load(builder, p, qs_at, _VB16)
+        q = _concat(builder, _nibbles(builder, qs, False), _nibbles(builder, qs, True))
+        if bb in (22, 24):
+            q = builder.or_(q, _fifth_bits(builder, _load(builder, p, qs_at - 4, _I32)))
+        d = _half(builder, p, 0)
+        if bb in (18, 22):
+            return [(q, False, 3 if bb == 18 else 4, 0, d)], []
+        return [(q, False, None, 0, d)], [(_half(builder, p, 2), 0)]
+    if bb == 210:  # Q6_K: 16 sub-blocks of 16, d * int8 sc * (6-bit q - 32)
+        d = _half(builder, p, 208)
+        scales = builder.fmul(builder.sitofp(_load(builder, p, 192, _VB16), ir.VectorType(_F32, 16)),
+                              _splat(builder, d, 16), flags=_FUSE)
+        runs = []
         for half in range(2):
-            for i in range(2):
-                a = _bytes(builder, p, 64 * half + 16 * i)
-                c = _bytes(builder, p, 64 * half + 32 + 16 * i)
-                h = _bytes(builder, p, 128 + 32 * half + 16 * i)
-                quads = [(a, False, 0), (c, False, 2), (a, True, 4), (c, True, 6)]
-                for k, (src, high, shift) in enumerate(quads):
-                    nib = builder.lshr(src, _splat8(4)) if high else builder.and_(src, _splat8(15))
-                    top = builder.shl(builder.and_(builder.lshr(h, _splat8(shift)), _splat8(3)), _splat8(4))
-                    q = builder.sitofp(builder.sub(builder.or_(nib, top), _splat8(32)), _VF)
-                    scale = builder.extract_element(scales, ir.Constant(_I32, 8 * half + i + 2 * k))
-                    groups.append((scale, [(128 * half + 16 * i + 32 * k, q)]))
-        return groups, []
-    # Q4_K (144) and Q5_K (176): 8 sub-blocks of 32, d sc_j q - dmin m_j; pair p of 32 bytes
-    # holds sub-block 2p in its low nibbles and 2p + 1 in its high ones
-    d, dmin = _load_half(builder, p, 0), _load_half(builder, p, 2)
+            a, c = _load(builder, p, 64 * half, _VB32), _load(builder, p, 64 * half + 32, _VB32)
+            h = _load(builder, p, 128 + 32 * half, _VB32)
+            for kk, (src, high, shift) in enumerate([(a, False, 0), (c, False, 2), (a, True, 4), (c, True, 6)]):
+                top = builder.shl(builder.and_(builder.lshr(h, _bytes_const(shift)), _bytes_const(3)), _bytes_const(4))
+                k = 4 * half + kk
+                lanes = builder.shuffle_vector(scales, scales, ir.Constant(_VI8, [2 * k] * 4 + [2 * k + 1] * 4))
+                runs.append((builder.or_(_nibbles(builder, src, high), top), False, 5, k, lanes))
+        return runs, []
+    # Q4_K (144), Q5_K (176): 8 sub-blocks of 32, d sc_j q - dmin m_j; the 32 bytes of pair
+    # p hold sub-block 2p in their low nibbles and 2p + 1 in their high ones
+    d, dmin = _half(builder, p, 0), _half(builder, p, 2)
     qs_at = 16 if bb == 144 else 48
     sc8, m8 = _k4_scales_mins(builder, p)
-    scales = builder.fmul(sc8, _splat_f(builder, d, 8), flags=_FUSE)
-    mins = builder.fmul(m8, _splat_f(builder, builder.fmul(dmin, ir.Constant(_F32, -1.0), flags=_FUSE), 8), flags=_FUSE)
-    groups = []
+    scales = builder.fmul(sc8, _splat(builder, d, 8), flags=_FUSE)
+    mins = builder.fmul(m8, _splat(builder, builder.fmul(dmin, ir.Constant(_F32, -1.0), flags=_FUSE), 8), flags=_FUSE)
+    qh = _load(builder, p, 16, _VB32) if bb == 176 else None
+    runs = []
     for j in range(8):
-        pair, high = j // 2, j % 2 == 1
-        chunks = []
-        for part in range(2):
-            src = _bytes(builder, p, qs_at + 32 * pair + 16 * part)
-            q = builder.lshr(src, _splat8(4)) if high else builder.and_(src, _splat8(15))
-            if bb == 176:  # fifth bit j of qh[l]
-                qh = _bytes(builder, p, 16 + 16 * part)
-                q = builder.or_(q, builder.shl(builder.and_(builder.lshr(qh, _splat8(j)), _splat8(1)), _splat8(4)))
-            chunks.append((32 * j + 16 * part, builder.uitofp(q, _VF)))
-        groups.append((builder.extract_element(scales, ir.Constant(_I32, j)), chunks))
-    return groups, mins  # - dmin m_j, one lane per sub-block
+        q = _nibbles(builder, _load(builder, p, qs_at + 32 * (j // 2), _VB32), j % 2 == 1)
+        if qh is not None:  # fifth bit j of qh[l]
+            q = builder.or_(q, builder.shl(builder.and_(builder.lshr(qh, _bytes_const(j)), _bytes_const(1)),
+                                           _bytes_const(4)))
+        runs.append((q, False, None, j, builder.extract_element(scales, ir.Constant(_I32, j))))
+    return runs, mins
 
 
 def _reduce(builder: ir.IRBuilder, acc: ir.Value) -> ir.Value:
-    n = acc.type.count
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32, acc.type]),
-                                        f"llvm.vector.reduce.fadd.v{n}f32")
-    return builder.call(fn, [ir.Constant(_F32, 0.0), acc], fastmath=_REASSOC)
+    """The sum of acc's lanes in one fixed order (halves added until one lane is left), so
+    that no context (one row, a tile of rows and vectors) can sum them otherwise. The adds
+    carry a flag (contract: nothing to fuse here) because numba's fastmath pass gives every
+    float instruction without flags "fast", which would let LLVM reassociate them."""
+    while acc.type.count > 1:
+        h = acc.type.count // 2
+        lo = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(_I32, h), list(range(h))))
+        hi = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(_I32, h), list(range(h, 2 * h))))
+        acc = builder.fadd(lo, hi, flags=_FUSE)
+    return builder.extract_element(acc, ir.Constant(_I32, 0))
 
 
 def _block_dots(bb: int, R: int, V: int):
-    """An intrinsic (rows, nb, vecs, sums) -> R*V float32s, row-major: rows is a tuple of R
-    addresses of rows of nb blocks of bb bytes; vecs of V addresses of fp32 vectors (nb
-    blocks' weights long); sums of V addresses of their 32-sums (read by the formats with
-    offsets: Q4_1, Q5_1, Q4_K, Q5_K)."""
-    per_block = 256 if bb in (144, 176, 210) else 32
-    k_mins = bb in (144, 176)  # Q4_K, Q5_K: _block_parts gives their offsets as one vector
+    """An intrinsic (rows, nb, acts) -> R*V float32s, row-major: rows is a tuple of R
+    addresses of rows of nb blocks of bb bytes; acts of V addresses of activation records
+    (`quantize_acts` for bb)."""
+    P = per_block(bb)
+    n, rec = P // 32, record_bytes(bb)
+    isa = _isa()
 
     @intrinsic
-    def block_dots(typingctx, rows, nb, vecs, sums):
+    def block_dots(typingctx, rows, nb, acts):
         sig = types.UniTuple(types.float32, R * V)(types.UniTuple(types.int64, R), types.int64,
-                                                   types.UniTuple(types.int64, V), types.UniTuple(types.int64, V))
+                                                   types.UniTuple(types.int64, V))
 
         def codegen(context, builder, signature, args):
-            rows_t, nb_v, vecs_t, sums_t = args
-            f32p, i8p = _F32.as_pointer(), _I8.as_pointer()
+            rows_t, nb_v, acts_t = args
+            i8p = _I8.as_pointer()
             row_ptrs = [builder.inttoptr(builder.extract_value(rows_t, k), i8p) for k in range(R)]
-            vec_ptrs = [builder.inttoptr(builder.extract_value(vecs_t, j), f32p) for j in range(V)]
-            sum_ptrs = [builder.inttoptr(builder.extract_value(sums_t, j), f32p) for j in range(V)]
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(_VF, [0.0] * _LANES)) for _ in range(R * V)]
-            # offset sums: one scalar per pair, or 8 lanes (a K-quant block's sub-blocks)
+            act_ptrs = [builder.inttoptr(builder.extract_value(acts_t, j), i8p) for j in range(V)]
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_VF8, [0.0] * 8)) for _ in range(R * V)]
+            k_mins = bb in (144, 176)
             zero = ir.Constant(_VF8, [0.0] * 8) if k_mins else ir.Constant(_F32, 0.0)
             offsets = [cgutils.alloca_once_value(builder, zero) for _ in range(R * V)]
             with cgutils.for_range(builder, nb_v) as loop:
                 b = loop.index
-                vecs_b = [builder.gep(vp, [builder.mul(b, _const_i64(per_block))]) for vp in vec_ptrs]
-                sums_b = [builder.gep(sp, [builder.mul(b, _const_i64(per_block // 32))]) for sp in sum_ptrs]
-                for k in range(R):
-                    groups, offs = _block_parts(builder, builder.gep(row_ptrs[k], [builder.mul(b, _const_i64(bb))]), bb)
+                recs = [builder.gep(ap, [builder.mul(b, _c64(rec))]) for ap in act_ptrs]
+                # per vector: its 32-block scales (and 32-sums), read once for the R rows
+                act_scales = []
+                for r in recs:
+                    if n == 8:
+                        act_scales.append((_load(builder, r, P + 32 * n, _VF8), _load(builder, r, P + 36 * n, _VF8)))
+                    else:
+                        act_scales.append((_load(builder, r, P + 32, _F32), _load(builder, r, P + 36, _F32)))
+                for kr in range(R):
+                    runs, offs = _block_runs(builder, builder.gep(row_ptrs[kr], [builder.mul(b, _c64(bb))]), bb)
                     for j in range(V):
-                        acc = accs[k * V + j]
+                        acc = accs[kr * V + j]
                         total = builder.load(acc)
-                        for scale, chunks in groups:
-                            t = None
-                            for first, q in chunks:
-                                x = builder.load(builder.bitcast(builder.gep(vecs_b[j], [_const_i64(first)]), _VF.as_pointer()),
-                                                 align=4)
-                                qx = builder.fmul(q, x, flags=_FUSE)
-                                t = qx if t is None else builder.fadd(t, qx, flags=_FUSE)
-                            total = builder.fadd(total, builder.fmul(_splat_f(builder, scale), t, flags=_FUSE), flags=_FUSE)
+                        da, sa = act_scales[j]
+                        for q, signed, shift, k, scale in runs:
+                            a = _load(builder, recs[j], 32 * k, _VB32)
+                            gs = _load(builder, recs[j], P + 32 * k, _VI8) if (shift is not None or signed) else None
+                            i = _idot(builder, isa, q, signed, a, gs, shift)
+                            dak = builder.extract_element(da, ir.Constant(_I32, k)) if n == 8 else da
+                            if isinstance(scale.type, ir.VectorType):
+                                s = builder.fmul(scale, _splat(builder, dak, 8), flags=_FUSE)
+                            else:
+                                s = _splat(builder, builder.fmul(scale, dak, flags=_FUSE), 8)
+                            total = builder.fadd(total, builder.fmul(builder.sitofp(i, _VF8), s, flags=_FUSE),
+                                                 flags=_FUSE)
                         builder.store(total, acc)
                         if k_mins:  # 8 sub-blocks' mins times their 32-sums
-                            o = offsets[k * V + j]
-                            xs8 = builder.load(builder.bitcast(sums_b[j], _VF8.as_pointer()), align=4)
-                            builder.store(builder.fadd(builder.load(o), builder.fmul(offs, xs8, flags=_FUSE), flags=_FUSE), o)
+                            o = offsets[kr * V + j]
+                            builder.store(builder.fadd(builder.load(o), builder.fmul(offs, sa, flags=_FUSE),
+                                                       flags=_FUSE), o)
                         elif offs:
-                            o = offsets[k * V + j]
+                            o = offsets[kr * V + j]
                             off = builder.load(o)
-                            for coef, sub in offs:
-                                xs = builder.load(builder.gep(sums_b[j], [_const_i64(sub)]))
-                                off = builder.fadd(off, builder.fmul(coef, xs, flags=_FUSE), flags=_FUSE)
+                            for coef, _k in offs:
+                                off = builder.fadd(off, builder.fmul(coef, sa, flags=_FUSE), flags=_FUSE)
                             builder.store(off, o)
             outs = []
             for acc, o in zip(accs, offsets):
@@ -238,43 +378,32 @@ FORMATS_BB = (18, 20, 34, 22, 24, 144, 176, 210)  # block bytes: Q4_0 Q4_1 Q8_0 
 
 
 def _dispatch(R: int, V: int):
-    """A numba function (bb, rows, nb, vecs, sums) calling the (R, V) block dots of format
-    bb: a chain of branches, each intrinsic compiled for its format alone."""
+    """A numba function (bb, rows, nb, acts) calling the (R, V) block dots of format bb: a
+    chain of branches, each intrinsic compiled for its format alone."""
     fn = None
     for bb in reversed(FORMATS_BB):
         dots, rest = _block_dots(bb, R, V), fn
         if rest is None:
             def make_last(dots=dots):
                 @njit(inline="always")
-                def last(fmt, rows, nb, vecs, sums):
-                    return dots(rows, nb, vecs, sums)
+                def last(fmt, rows, nb, acts):
+                    return dots(rows, nb, acts)
                 return last
             fn = make_last()
         else:
             def make_step(dots=dots, rest=rest, this=bb):
                 @njit(inline="always")
-                def step(fmt, rows, nb, vecs, sums):
+                def step(fmt, rows, nb, acts):
                     if fmt == this:
-                        return dots(rows, nb, vecs, sums)
-                    return rest(fmt, rows, nb, vecs, sums)
+                        return dots(rows, nb, acts)
+                    return rest(fmt, rows, nb, acts)
                 return step
             fn = make_step()
     return fn
 
 
 _rows4, _vecs4, _vecs2, _one = _dispatch(4, 1), _dispatch(1, 4), _dispatch(1, 2), _dispatch(1, 1)
-
-
-@njit(inline="always")
-def block_sums(v):
-    """v's sums over each 32 values: the activation sums the offset formats read."""
-    s = np.empty(v.shape[0] // 32, dtype=np.float32)
-    for k in range(s.shape[0]):
-        acc = np.float32(0.0)
-        for j in range(32):
-            acc += v[32 * k + j]
-        s[k] = acc
-    return s
+_tile = _dispatch(4, 4)
 
 
 @njit(inline="always")
@@ -283,45 +412,50 @@ def _row_address(w, r):
 
 
 @njit(inline="always")
-def _check_blocks(w, v):
-    # the IR walks a row's blocks as bb contiguous bytes each, and v as contiguous fp32
-    if w.strides[2] != 1 or w.strides[1] != w.shape[2] or v.strides[v.ndim - 1] != 4:
-        raise ValueError("block dots need contiguous blocks and activations")
+def _check_blocks(w):
+    # the IR walks a row's blocks as bb contiguous bytes each
+    if w.strides[2] != 1 or w.strides[1] != w.shape[2]:
+        raise ValueError("block dots need contiguous blocks")
 
 
 @njit(fastmath=True)
-def dot_rows4(w, r0, r1, r2, r3, v, xs):
-    """Rows r0..r3 of quantized w (any block format) dotted with fp32 v (contiguous); xs:
-    v's 32-sums (`block_sums`)."""
-    _check_blocks(w, v)
+def dot_rows4(w, r0, r1, r2, r3, qa):
+    """Rows r0..r3 of quantized w (any block format) dotted with activations qa
+    (`quantize_acts(v, w.shape[2])`)."""
+    _check_blocks(w)
     rows = (_row_address(w, r0), _row_address(w, r1), _row_address(w, r2), _row_address(w, r3))
-    return _rows4(w.shape[2], rows, w.shape[1], (v.ctypes.data,), (xs.ctypes.data,))
+    return _rows4(w.shape[2], rows, w.shape[1], (qa.ctypes.data,))
 
 
 @njit(fastmath=True)
-def dot_row(w, r, v, xs):
-    """Row r of quantized w (any block format) dotted with fp32 v; xs: v's 32-sums."""
-    _check_blocks(w, v)
-    return _one(w.shape[2], (_row_address(w, r),), w.shape[1], (v.ctypes.data,), (xs.ctypes.data,))[0]
+def dot_row(w, r, qa):
+    """Row r of quantized w dotted with activations qa (`quantize_acts`)."""
+    _check_blocks(w)
+    return _one(w.shape[2], (_row_address(w, r),), w.shape[1], (qa.ctypes.data,))[0]
 
 
 @njit(fastmath=True)
-def dot_vecs4(w, r, V, s0, s1, s2, s3, xs):
-    """Row r of quantized w (any block format) dotted with rows s0..s3 of V (B, cols), each
-    block widened once for the four; xs (B, cols / 32): V's 32-sums."""
-    _check_blocks(w, V)
-    if xs.strides[1] != 4:
-        raise ValueError("block dots need contiguous block sums")
-    vecs = (_row_address(V, s0), _row_address(V, s1), _row_address(V, s2), _row_address(V, s3))
-    sums = (_row_address(xs, s0), _row_address(xs, s1), _row_address(xs, s2), _row_address(xs, s3))
-    return _vecs4(w.shape[2], (_row_address(w, r),), w.shape[1], vecs, sums)
+def dot_vecs4(w, r, QA, s0, s1, s2, s3):
+    """Row r of quantized w dotted with rows s0..s3 of QA (`quantize_acts_rows`), each
+    block unpacked once for the four."""
+    _check_blocks(w)
+    acts = (_row_address(QA, s0), _row_address(QA, s1), _row_address(QA, s2), _row_address(QA, s3))
+    return _vecs4(w.shape[2], (_row_address(w, r),), w.shape[1], acts)
 
 
 @njit(fastmath=True)
-def dot_vecs2(w, r, V, s0, s1, xs):
-    """Row r of quantized w dotted with rows s0, s1 of V: `dot_vecs4` for two vectors."""
-    _check_blocks(w, V)
-    if xs.strides[1] != 4:
-        raise ValueError("block dots need contiguous block sums")
-    vecs, sums = (_row_address(V, s0), _row_address(V, s1)), (_row_address(xs, s0), _row_address(xs, s1))
-    return _vecs2(w.shape[2], (_row_address(w, r),), w.shape[1], vecs, sums)
+def dot_tile(w, r, QA, s):
+    """Rows r..r+3 of quantized w dotted with rows s..s+3 of QA: 16 results, row-major
+    (row r with QA[s], QA[s+1], ..., then row r+1...), each block unpacked once for the four
+    vectors and each record read once for the four rows."""
+    _check_blocks(w)
+    rows = (_row_address(w, r), _row_address(w, r + 1), _row_address(w, r + 2), _row_address(w, r + 3))
+    acts = (_row_address(QA, s), _row_address(QA, s + 1), _row_address(QA, s + 2), _row_address(QA, s + 3))
+    return _tile(w.shape[2], rows, w.shape[1], acts)
+
+
+@njit(fastmath=True)
+def dot_vecs2(w, r, QA, s0, s1):
+    """Row r of quantized w dotted with rows s0, s1 of QA: `dot_vecs4` for two."""
+    _check_blocks(w)
+    return _vecs2(w.shape[2], (_row_address(w, r),), w.shape[1], (_row_address(QA, s0), _row_address(QA, s1)))

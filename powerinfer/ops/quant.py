@@ -17,14 +17,13 @@ the array's type (3-D uint8) and at run time from one number:
 | Q5_K | 176: half d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128] | 256 | as Q4_K with a fifth bit from qh |
 | Q6_K | 210: u8 ql[128]; u8 qh[64]; i8 scales[16]; half d | 256 | 16 sub-blocks of 16: d sc (q - 32) |
 
-The GEMV (and the sparse row GEMV, and the batched one) take every format's block dots from
-`block_ir`: LLVM vector IR that widens each block to fp32 lanes and keeps lane accumulators
-across a row. Activations are not quantized to int8 as llama.cpp does: widening keeps the
-result equal to the dequantize-then-fp32 reference to float rounding, and the fp32 lane
-dots already read Q4_0/Q4_1/Q8_0 faster than llama.cpp's decode does (docs/BENCHMARKS.md).
-Batches (prefill) widen a tile of rows at a time into a reused fp32 buffer for torch's
-GEMM: no float copy of a whole matrix is kept or made.
-Every kernel's reference twin is `dequantize` (the gguf package's) and the fp32 op.
+Every kernel takes its block dots from `block_ir`: the activations quantized to int8 per 32
+values (as llama.cpp does) and integer dot products (VNNI, AVX2 or plain, by the CPU),
+LLVM vector IR with lane accumulators across a row. The GEMV does four rows per step; the
+matmul (prefill, and any batch past a few tokens) four rows by four tokens, each (row,
+token) dot exactly the GEMV's, so no float copy of a matrix is ever made.
+Every kernel's reference twin is `dequantize` (the gguf package's) and the fp32 op on
+`block_ir.reference_acts(x)` (the activations rounded as the kernels round them).
 """
 
 from __future__ import annotations
@@ -37,13 +36,13 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .block_ir import block_sums, dot_row, dot_rows4
+from .block_ir import dot_row, dot_rows4, dot_tile, quantize_acts, quantize_acts_rows
 
 # format name -> (weights per block, bytes per block)
 FORMATS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24),
            "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 BLOCK_BYTES = {bb: name for name, (_, bb) in FORMATS.items()}
-TILE_ROWS = 256  # rows widened at a time for a batched matmul
+TILE_ROWS = 256  # rows widened at a time (the transposed matmul, widening)
 # Byte offsets of each block's fp16 scales (d, and m/dmin where the format has one).
 SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2),
                  "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
@@ -162,18 +161,19 @@ def dequantize_row(w, r, out):
 @njit(parallel=True, fastmath=True, cache=True)
 def add_matvec_q(w, v, b, x, threads):
     """x += W v (+ b) for quantized W (any block format), in parallel: rows i, i+q, i+2q,
-    i+3q per step (four streams, each block of v read once for the four; block_ir)."""
+    i+3q per step (four streams, each block of v's int8 records read once for the four;
+    block_ir). `threads` is unused: the signature is the panel kernels'."""
     n = w.shape[0]
-    xs = block_sums(v)
+    qa = quantize_acts(v, w.shape[2])
     q = n // 4
     for i in prange(q):
-        a0, a1, a2, a3 = dot_rows4(w, i, i + q, i + 2 * q, i + 3 * q, v, xs)
+        a0, a1, a2, a3 = dot_rows4(w, i, i + q, i + 2 * q, i + 3 * q, qa)
         x[i] += a0
         x[i + q] += a1
         x[i + 2 * q] += a2
         x[i + 3 * q] += a3
     for i in range(4 * q, n):
-        x[i] += dot_row(w, i, v, xs)
+        x[i] += dot_row(w, i, qa)
     if b.shape[0] > 0:
         for k in range(n):
             x[k] += b[k]
@@ -248,12 +248,37 @@ def _dequantize_row_generic(w, r, out):
 
 
 def matmul(t: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (T, cols) @ W.T (+ bias) for quantized W: TILE_ROWS rows widened at a time."""
-    out = torch.empty(x.shape[0], shape_of(t)[0], dtype=torch.float32)
-    xf = x.float()
-    for r0, tile in tiles(t):
-        torch.matmul(xf, tile.t(), out=out[:, r0 : r0 + tile.shape[0]])
-    return out if bias is None else out.add_(bias)
+    """x (T, cols) @ W.T (+ bias) for quantized W: the block dots over four rows and four
+    tokens at a time (`_matmul_tiles`), each (row, token) dot the GEMV's own."""
+    w = t.numpy()
+    qa = quantize_acts_rows(np.ascontiguousarray(x.float().numpy()), w.shape[2])
+    out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
+    _matmul_tiles(w, qa, out)
+    res = torch.from_numpy(out)
+    return res if bias is None else res.add_(bias)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _matmul_tiles(w, QA, out):
+    """out (T, rows) = the dots of W's rows with QA's T activation rows: 4 x 4 tiles (the
+    weight rows stay in L1 while the tokens pass), edges row by row."""
+    n, T = w.shape[0], QA.shape[0]
+    fours = T // 4 * 4
+    for g in prange((n + 3) // 4):
+        r = 4 * g
+        if r + 4 <= n:
+            for s in range(0, fours, 4):
+                res = dot_tile(w, r, QA, s)
+                for a in range(4):
+                    for c in range(4):
+                        out[s + c, r + a] = res[4 * a + c]
+            for s in range(fours, T):
+                a0, a1, a2, a3 = dot_rows4(w, r, r + 1, r + 2, r + 3, QA[s])
+                out[s, r], out[s, r + 1], out[s, r + 2], out[s, r + 3] = a0, a1, a2, a3
+        else:
+            for i in range(r, n):
+                for s in range(T):
+                    out[s, i] = dot_row(w, i, QA[s])
 
 
 def tiles(t: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:

@@ -5,7 +5,9 @@ intact); the down projection, stored transposed so that each neuron owns one row
 requantized to Q8_0 at pack time (transposing breaks blocks; Q8_0 is the closest of the
 block formats to the source, see docs/BENCHMARKS.md). One call computes, per token, every
 active neuron's value in parallel, then accumulates h_k * down_k into per-thread partial
-sums that are reduced at the end. Reference twin: dequantize, then the fp32 sparse ops.
+sums that are reduced at the end. Gate and up dots take block_ir's int8 activations; the
+AXPY's coefficients stay fp32. Reference twin: dequantize, then the fp32 sparse ops on
+`block_ir.reference_acts(x)`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from numba import njit, prange
 
 from .cpu import _act, gated_value
 from .criterion import GATE
-from .block_ir import block_sums, dot_row, dot_rows4
+from .block_ir import dot_row, dot_rows4, quantize_acts
 from .quant import _half, _u8
 
 
@@ -39,16 +41,16 @@ def ffn_rows_q(w_in, w_up, wt_down, x, idx, gated, b_in, act_id, up_act_id, crit
     T, k = x.shape[0], idx.shape[0]
     d_out = out.shape[1]
     for t in range(T):
-        v = x[t]
-        xs = block_sums(v)
+        qa_in = quantize_acts(x[t], w_in.shape[2])
+        qa_up = qa_in if w_up.shape[2] == w_in.shape[2] else quantize_acts(x[t], w_up.shape[2])
         for c in prange(n_chunks):
             lo, hi = c * k // n_chunks, (c + 1) * k // n_chunks
             first = lo
             if gated and criterion != GATE:  # four neurons per pass over x (up rows read anyway)
                 while first + 4 <= hi:
                     r0, r1, r2, r3 = idx[first], idx[first + 1], idx[first + 2], idx[first + 3]
-                    g0, g1, g2, g3 = dot_rows4(w_in, r0, r1, r2, r3, v, xs)
-                    u0, u1, u2, u3 = dot_rows4(w_up, r0, r1, r2, r3, v, xs)
+                    g0, g1, g2, g3 = dot_rows4(w_in, r0, r1, r2, r3, qa_in)
+                    u0, u1, u2, u3 = dot_rows4(w_up, r0, r1, r2, r3, qa_up)
                     h[t, first] = gated_value(_act(g0, act_id), u0, up_act_id, criterion, threshold)
                     h[t, first + 1] = gated_value(_act(g1, act_id), u1, up_act_id, criterion, threshold)
                     h[t, first + 2] = gated_value(_act(g2, act_id), u2, up_act_id, criterion, threshold)
@@ -56,7 +58,7 @@ def ffn_rows_q(w_in, w_up, wt_down, x, idx, gated, b_in, act_id, up_act_id, crit
                     first += 4
             for kk in range(first, hi):
                 r = idx[kk]
-                g = dot_row(w_in, r, v, xs)
+                g = dot_row(w_in, r, qa_in)
                 if not gated:
                     if b_in.shape[0] > 0:
                         g += b_in[r]
@@ -67,7 +69,7 @@ def ffn_rows_q(w_in, w_up, wt_down, x, idx, gated, b_in, act_id, up_act_id, crit
                 if criterion == GATE and abs(a) <= threshold:
                     h[t, kk] = np.float32(0.0)
                     continue
-                h[t, kk] = gated_value(a, dot_row(w_up, r, v, xs), up_act_id, criterion, threshold)
+                h[t, kk] = gated_value(a, dot_row(w_up, r, qa_up), up_act_id, criterion, threshold)
         partial = np.zeros((n_chunks, d_out), dtype=np.float32)
         for c in prange(n_chunks):
             for kk in range(c * k // n_chunks, (c + 1) * k // n_chunks):

@@ -186,8 +186,9 @@ def _idot(builder: ir.IRBuilder, isa: str, q: ir.Value, signed: bool, a: ir.Valu
 
     if isa == "vnni":
         init = zero if bias_shift is None else minus_bias(zero, bias_shift)
-        if signed:  # int8 as unsigned: q + 128, then 128 * the 4-sums off
-            q, init = builder.xor(q, _bytes_const(0x80)), minus_bias(init, 7)
+        if signed:  # |q| times a with q's sign (the abs is shared by the vectors: CSE)
+            a = _call(builder, "llvm.x86.avx2.psign.b", _VB32, [a, q])
+            q = _call(builder, "llvm.abs.v32i8", _VB32, [q, ir.Constant(ir.IntType(1), 0)])
         return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _VI8,
                      [init, builder.bitcast(q, _VI8), builder.bitcast(a, _VI8)])
     if isa == "avx2":
@@ -255,8 +256,9 @@ def _block_runs(builder: ir.IRBuilder, p: ir.Value, bb: int):
         if bb in (22, 24):
             q = builder.or_(q, _fifth_bits(builder, _load(builder, p, qs_at - 4, _I32)))
         d = _half(builder, p, 0)
-        if bb in (18, 22):
-            return [(q, False, 3 if bb == 18 else 4, 0, d)], []
+        if bb in (18, 22):  # the bias (8, 16) times the activations' 32-sum, as an offset
+            bias = ir.Constant(_F32, -8.0 if bb == 18 else -16.0)
+            return [(q, False, None, 0, d)], [(builder.fmul(d, bias, flags=_FUSE), 0)]
         return [(q, False, None, 0, d)], [(_half(builder, p, 2), 0)]
     if bb == 210:  # Q6_K: 16 sub-blocks of 16, d * int8 sc * (6-bit q - 32)
         d = _half(builder, p, 208)
@@ -335,23 +337,24 @@ def _block_dots(bb: int, R: int, V: int):
                         act_scales.append((_load(builder, r, P + 32 * n, _VF8), _load(builder, r, P + 36 * n, _VF8)))
                     else:
                         act_scales.append((_load(builder, r, P + 32, _F32), _load(builder, r, P + 36, _F32)))
+                # each vector's activation scales as 8 lanes, shared by the R rows
+                da_lanes = [[_splat(builder, builder.extract_element(da, ir.Constant(_I32, k)) if n == 8 else da, 8)
+                             for k in range(n)] for da, _ in act_scales]
                 for kr in range(R):
                     runs, offs = _block_runs(builder, builder.gep(row_ptrs[kr], [builder.mul(b, _c64(bb))]), bb)
+                    # each run's weight scale as 8 lanes, shared by the V vectors
+                    w_lanes = [scale if isinstance(scale.type, ir.VectorType) else _splat(builder, scale, 8)
+                               for _, _, _, _, scale in runs]
                     for j in range(V):
                         acc = accs[kr * V + j]
                         total = builder.load(acc)
-                        da, sa = act_scales[j]
-                        for q, signed, shift, k, scale in runs:
+                        sa = act_scales[j][1]
+                        for (q, signed, shift, k, _), wl in zip(runs, w_lanes):
                             a = _load(builder, recs[j], 32 * k, _VB32)
-                            gs = _load(builder, recs[j], P + 32 * k, _VI8) if (shift is not None or signed) else None
+                            gs = _load(builder, recs[j], P + 32 * k, _VI8) if shift is not None else None
                             i = _idot(builder, isa, q, signed, a, gs, shift)
-                            dak = builder.extract_element(da, ir.Constant(_I32, k)) if n == 8 else da
-                            if isinstance(scale.type, ir.VectorType):
-                                s = builder.fmul(scale, _splat(builder, dak, 8), flags=_FUSE)
-                            else:
-                                s = _splat(builder, builder.fmul(scale, dak, flags=_FUSE), 8)
-                            total = builder.fadd(total, builder.fmul(builder.sitofp(i, _VF8), s, flags=_FUSE),
-                                                 flags=_FUSE)
+                            xa = builder.fmul(builder.sitofp(i, _VF8), da_lanes[j][k], flags=_FUSE)
+                            total = builder.fadd(total, builder.fmul(xa, wl, flags=_FUSE), flags=_FUSE)
                         builder.store(total, acc)
                         if k_mins:  # 8 sub-blocks' mins times their 32-sums
                             o = offsets[kr * V + j]

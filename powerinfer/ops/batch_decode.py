@@ -24,7 +24,7 @@ from .cpu import STREAMS, _act, attend_head, dot4, row_dot, rms_norm, write_kv
 from .decode import _gated_value
 from .numba_half import widen
 from .panels import in_features
-from .block_ir import dot_row, dot_vecs2, dot_vecs4, quantize_acts_rows
+from .block_ir import dot_row, dot_vecs2, dot_vecs4, dot_vecs8, quantize_acts_rows
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -220,14 +220,19 @@ def attend(QKV, pos, cos, sin, k_caches, v_caches, n_heads, n_kv, head_dim, scal
 
 @njit(parallel=True, fastmath=True, cache=True)
 def add_matvec_4v(w, QA, X):
-    """X[s] += W V[s] for W in GGUF blocks (any format), four vectors per pass over a row (each
-    block unpacked once for the four: register blocking), the rest two and one at a time.
+    """X[s] += W V[s] for W in GGUF blocks (any format), eight vectors per pass over a row (each
+    block unpacked once for the eight: register blocking), the rest four, two and one at a time.
     QA[s] holds V[s]'s int8 activation records (`block_ir.quantize_acts_rows`). Each (row,
     vector) dot runs as in the one-vector GEMV (block_ir), so the rows equal solo."""
     n, B = w.shape[0], QA.shape[0]
-    fours = B // 4 * 4
+    eights = B // 8 * 8
+    fours = eights + (B - eights) // 4 * 4
     for i in prange(n):
-        for s in range(0, fours, 4):
+        for s in range(0, eights, 8):
+            r = dot_vecs8(w, i, QA, s)
+            for c in range(8):
+                X[s + c, i] += r[c]
+        for s in range(eights, fours, 4):
             a0, a1, a2, a3 = dot_vecs4(w, i, QA, s, s + 1, s + 2, s + 3)
             X[s, i] += a0
             X[s + 1, i] += a1

@@ -406,7 +406,7 @@ def _dispatch(R: int, V: int):
 
 
 _rows4, _vecs4, _vecs2, _one = _dispatch(4, 1), _dispatch(1, 4), _dispatch(1, 2), _dispatch(1, 1)
-_tile = _dispatch(4, 4)
+_tile, _vecs8 = _dispatch(4, 4), _dispatch(1, 8)
 
 
 @njit(inline="always")
@@ -455,6 +455,16 @@ def dot_tile(w, r, QA, s):
     rows = (_row_address(w, r), _row_address(w, r + 1), _row_address(w, r + 2), _row_address(w, r + 3))
     acts = (_row_address(QA, s), _row_address(QA, s + 1), _row_address(QA, s + 2), _row_address(QA, s + 3))
     return _tile(w.shape[2], rows, w.shape[1], acts)
+
+
+@njit(fastmath=True)
+def dot_vecs8(w, r, QA, s):
+    """Row r of quantized w dotted with rows s..s+7 of QA, each block unpacked once for the
+    eight."""
+    _check_blocks(w)
+    acts = (_row_address(QA, s), _row_address(QA, s + 1), _row_address(QA, s + 2), _row_address(QA, s + 3),
+            _row_address(QA, s + 4), _row_address(QA, s + 5), _row_address(QA, s + 6), _row_address(QA, s + 7))
+    return _vecs8(w.shape[2], (_row_address(w, r),), w.shape[1], acts)
 
 
 @njit(fastmath=True)

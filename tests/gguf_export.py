@@ -14,8 +14,9 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def export_gguf(hf_dir: Path, out: Path, arch: str = "llama", raw_types: dict[str, int] | None = None,
-                f16: bool = False, tokenizer_from: str | None = None) -> Path:
-    """Convert the tiny HF model in `hf_dir` to GGUF; `raw_types` forces a tensor's GGML type;
+                f16: bool = False, tokenizer_from: str | None = None, quantized: dict[str, int] | None = None) -> Path:
+    """Convert the tiny HF model in `hf_dir` to GGUF; `raw_types` forces a tensor's GGML type
+    (zero bytes); `quantized` stores a tensor quantized to a type by gguf's quantizer;
     `f16` stores the matrices as F16 (norms stay F32, as llama.cpp's converter does);
     `tokenizer_from` copies the tokenizer.* metadata of that GGUF file (same vocabulary)."""
     import gguf
@@ -63,6 +64,9 @@ def export_gguf(hf_dir: Path, out: Path, arch: str = "llama", raw_types: dict[st
             block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(raw_types[name])]
             raw = np.zeros((t.shape[0], t.shape[-1] // block * type_size), dtype=np.uint8)
             w.add_tensor(name, raw, raw_dtype=raw_types[name])
+        elif quantized and name in quantized:
+            qtype = gguf.GGMLQuantizationType(quantized[name])
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(t, dtype=np.float32), qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float16 if f16 and t.ndim == 2 else np.float32))
     w.write_header_to_file()

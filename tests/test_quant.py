@@ -233,6 +233,42 @@ def test_fused_rows_of_mixed_formats_are_widened_and_noted():
     assert notes == {"fused rows of mixed formats (Q4_K, Q6_K)"}
 
 
+def test_fused_qkv_of_mixed_formats_keeps_each_part(tmp_path):
+    """Q4_K_M files store attn_v in another format than attn_q and attn_k: the fused QKV keeps
+    each part in its own blocks (no bf16 copy), one token and a batch of sequences give the
+    same bits, and the logits stay near the dequantize-to-fp32 path's."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf_export import export_gguf
+    from test_gguf_tiny import _hf_dir
+
+    import powerinfer
+    from powerinfer.ops.weights import PartsWeight
+
+    kinds = {"attn_q": Q.Q8_0, "attn_k": Q.Q8_0, "attn_v": Q.Q4_0, "attn_output": Q.Q8_0, "ffn_gate": Q.Q4_0,
+             "ffn_up": Q.Q4_0, "ffn_down": Q.Q8_0}
+    path = export_gguf(_hf_dir("llama", tmp_path), tmp_path / "mixed.gguf", "llama",
+                       quantized={f"blk.{i}.{k}.weight": v for i in range(2) for k, v in kinds.items()})
+    native = powerinfer.load(str(path), dtype="native", with_tokenizer=False).model
+    fp32 = powerinfer.load(str(path), dtype="fp32", with_tokenizer=False).model
+    w = native.layers[0].attn.qkv.w
+    assert isinstance(w, PartsWeight) and w.quant_format == "Q8_0+Q8_0+Q4_0" and w.shape == (128, 64)
+    assert all(t.dtype == torch.uint8 for layer in native.layers for t in layer.attn.qkv.tensors())
+    tokens = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(0))
+    prefill = native.forward(tokens, native.new_cache(16), all_logits=True)
+    want = fp32.forward(tokens, fp32.new_cache(16), all_logits=True)
+    assert (prefill - want).abs().max() < 0.05 * (want.max() - want.min())
+    caches = [native.new_cache(16) for _ in range(3)]
+    for c, start in zip(caches, (0, 3, 5)):
+        native.forward(tokens[start:start + 4], c)
+    solo = []
+    for c, start in zip(caches, (0, 3, 5)):
+        copy = native.new_cache(16)
+        native.forward(tokens[start:start + 4], copy)
+        solo.append(native.forward(tokens[start + 4:start + 5], copy))
+    batch = native.decode([int(tokens[s + 4]) for s in (0, 3, 5)], caches)
+    assert torch.equal(batch, torch.stack(solo))
+
+
 def test_releasing_copied_file_pages_keeps_every_value(smollm2_path):
     """Loading drops the mapped file's pages under tensors it has copied (madvise on the
     private mapping); a view read afterwards maps the file again, and memory that is not the

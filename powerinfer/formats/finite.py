@@ -18,6 +18,8 @@ def is_finite(t: torch.Tensor) -> bool:
     """Whether every value of `t` (float, or quantized blocks) is finite."""
     from ..ops import quant
 
+    if isinstance(t, quant.QuantParts):
+        return all(is_finite(p) for p in t.parts)
     if quant.is_quantized(t):
         return not quant.has_nonfinite_scales(t)
     if not t.is_floating_point() or t.numel() == 0:

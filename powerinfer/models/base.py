@@ -135,7 +135,7 @@ class ModelArgs:
             t = state.get(name)
             if t is None:
                 continue
-            got = quant.shape_of(t) if quant.is_quantized(t) else tuple(t.shape)
+            got = quant.matrix_shape(t)
             if got != want:
                 return f"tensor {name} has shape {list(got)}, the model's sizes make it {list(want)}"
         return None
@@ -252,10 +252,12 @@ class Model:
             # copied, so that the file can be unmapped and its cached pages dropped
             return w.clone() if w.untyped_storage().data_ptr() == source.untyped_storage().data_ptr() else w
 
-        def get(name: str, on_tier: bool = False) -> torch.Tensor | None:
+        def get(name: str, on_tier: bool = False) -> torch.Tensor | quant.QuantParts | None:
             w = state.pop(name, None)  # consumed: the source is freed as soon as it is copied
             if w is None:
                 return None
+            if isinstance(w, quant.QuantParts):  # blocks of mixed formats: the torch route widens them
+                return place(w.widened(), on_tier) if on_tier else w
             out = place(w, on_tier)
             if release is not None and out.untyped_storage().data_ptr() != w.untyped_storage().data_ptr():
                 release(w)

@@ -44,7 +44,7 @@ def decode_step(model: Model, tokens: list[int], caches: list[KVCache]) -> torch
     for i, layer in enumerate(model.layers):
         if layer.fused_decode and all(c.k_np[i] is not None for c in caches):
             _fused_layer(model, i, layer, x, caches, pos)
-        elif layer.attn.qkv.w_np is not None and layer.attn.o.w_np is not None:
+        elif layer.attn.qkv.batch_kernels and layer.attn.o.batch_kernels:
             x = _layer(model, i, layer, x, caches, pos)
         else:  # weights on the GPU tier: one sequence at a time, as one token
             for b in range(B):

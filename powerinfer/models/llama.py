@@ -84,7 +84,7 @@ def gated_layer_state(i: int, ckpt: HFCheckpoint | GGUFFile, names: dict[str, st
     p = f"layers.{i}."
     out = {
         p + "attn_norm.weight": get(names["attn_norm"]),
-        p + "wqkv": quant.cat_rows([q, k, v], notes),
+        p + "wqkv": quant.cat_rows([q, k, v], notes, keep_parts=True),
         p + "bqkv": None if bq is None else torch.cat([bq, bk, bv]),
         p + "wo": get(names["o"]),
         p + "ffn_norm.weight": get(names["ffn_norm"]),

@@ -12,7 +12,8 @@ import torch
 
 from . import batch_decode, cpu
 from .panels import gemv_any, threads
-from .weights import PanelWeight, Weight, weight_for
+from .quant import QuantParts
+from .weights import PanelWeight, PartsWeight, Weight, weight_for
 
 _NO_ROWS = np.zeros((0, 0), dtype=np.float32)  # no residual, for the batch kernels
 SMALL_BATCH = 4  # tokens up to which a half-weight matmul runs as the batched numba GEMV
@@ -24,7 +25,8 @@ QUANT_SMALL_BATCH = 16
 class Linear:
     """A weight (out, in) and optional bias, callable on (T, in) fp32 activations."""
 
-    def __init__(self, weight: torch.Tensor | Weight, bias: torch.Tensor | None = None, kernels: bool = True):
+    def __init__(self, weight: torch.Tensor | Weight | QuantParts, bias: torch.Tensor | None = None,
+                 kernels: bool = True):
         """`weight`: a tensor (its format chosen by `weight_for`) or a typed weight.
         `kernels=False`: always the torch route (the GPU tier's code, also on CPU tensors)."""
         self.w = weight if isinstance(weight, Weight) else weight_for(weight, kernels)
@@ -54,6 +56,11 @@ class Linear:
         return cpu.NO_BIAS if self._b_np is None else self._b_np
 
     @property
+    def batch_kernels(self) -> bool:
+        """Whether `each_row` can run: a weight the CPU kernels read."""
+        return self.w.kernel is not None or (isinstance(self.w, PartsWeight) and self.w.device.type == "cpu")
+
+    @property
     def out_features(self) -> int:
         return self.shape[0]
 
@@ -76,6 +83,9 @@ class Linear:
         """W x + b (+ residual) for x (T, in) on the CPU, each row computed exactly as the
         one-token GEMV computes it, with the weight read once for all rows (batched decode:
         a sequence's result does not depend on the batch)."""
+        if isinstance(self.w, PartsWeight):  # its matmul already computes each row as one token's
+            y = self.w.matmul(x, self.bias)
+            return y if residual is None else y + residual
         kernel = self.w.kernel
         assert kernel is not None, "each_row needs a weight the CPU kernels read"
         T = x.shape[0]

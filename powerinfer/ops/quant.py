@@ -304,18 +304,53 @@ def embedding(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def cat_rows(parts: list[torch.Tensor], notes: set[str] | None = None) -> torch.Tensor:
+class QuantParts:
+    """Row blocks of different GGUF formats stacked as one matrix, each part in its own blocks:
+    a fused QKV whose V rows are Q6_K beside Q4_K q and k rows, as Q4_K_M files store them."""
+
+    def __init__(self, parts: list[torch.Tensor]):
+        self.parts = parts
+        self.shape = (sum(shape_of(p)[0] for p in parts), shape_of(parts[0])[1])
+
+    @property
+    def formats(self) -> list[str]:
+        return [format_of(p) for p in self.parts]
+
+    def widened(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The matrix as one float tensor (for the torch route and the packed format)."""
+        return torch.cat([widen(p, dtype) for p in self.parts])
+
+
+def cat_rows(parts: list[torch.Tensor], notes: set[str] | None = None,
+             keep_parts: bool = False) -> torch.Tensor | QuantParts:
     """The rows of `parts` stacked into one matrix (a fused QKV or gate/up). Quantized parts of
-    one format stay blocks; parts of different formats (Q4_K_M files mix Q4_K and Q6_K) are
-    widened to bf16 for this matrix, noted in `notes` for the one-line message at load."""
+    one format stay one block tensor. Parts of different formats (Q4_K_M files mix Q4_K and
+    Q6_K) become `QuantParts` with `keep_parts` (each part in its blocks; the fused QKV), else
+    are widened to bf16 for this matrix, noted in `notes` for the one-line message at load."""
     if not any(is_quantized(p) for p in parts):
         return torch.cat(parts)
     if all(is_quantized(p) for p in parts) and len({int(p.shape[2]) for p in parts}) == 1:
         return torch.cat(parts)
+    if keep_parts and all(is_quantized(p) for p in parts):
+        return QuantParts(list(parts))
     if notes is not None:
         notes.add("fused rows of mixed formats (" + ", ".join(sorted({format_of(p) for p in parts if is_quantized(p)}))
                   + ")")
     return torch.cat([widen(p, torch.bfloat16) if is_quantized(p) else p.to(torch.bfloat16) for p in parts])
+
+
+def matrix_shape(t: torch.Tensor | QuantParts) -> tuple[int, ...]:
+    """(rows, cols) of a quantized matrix or of `QuantParts`, else the tensor's shape."""
+    if isinstance(t, QuantParts):
+        return t.shape
+    return shape_of(t) if is_quantized(t) else tuple(t.shape)
+
+
+def matmul_parts(w: QuantParts, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (T, cols) @ W.T (+ bias) for `QuantParts`: each part's rows by `matmul`, whose (row,
+    token) dots are the GEMV's, so one token and a batch give the same bits."""
+    out = torch.cat([matmul(p, x) for p in w.parts], dim=1)
+    return out if bias is None else out.add_(bias)
 
 
 def widen(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -106,13 +106,42 @@ class QuantWeight(Weight):
         return quant.matmul(self.stored, x, bias)
 
 
-FORMATS: dict[str, type[Weight]] = {"rows": RowWeight, "panels": PanelWeight, "quant": QuantWeight}
+class PartsWeight(Weight):
+    """GGUF blocks of mixed formats stacked by rows (`quant.QuantParts`: a Q4_K_M file's fused
+    QKV), each part in its own blocks. No single array for the fused kernels (`kernel` is
+    None); every product runs `quant.matmul_parts`, one token or a batch alike."""
+
+    format = "parts"
+
+    def __init__(self, parts: quant.QuantParts):
+        super().__init__(parts.parts[0], parts.shape, None)
+        self.parts = parts
+        self.quant_format = "+".join(parts.formats)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def rows(self) -> torch.Tensor:
+        return torch.cat([quant.dequantize(p) for p in self.parts.parts])  # tests and tools only
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return quant.matmul_parts(self.parts, x.float(), bias)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.parts.parts)
 
 
-def weight_for(t: torch.Tensor, kernels: bool = True) -> Weight:
+FORMATS: dict[str, type[Weight]] = {"rows": RowWeight, "panels": PanelWeight, "quant": QuantWeight,
+                                    "parts": PartsWeight}
+
+
+def weight_for(t: torch.Tensor | quant.QuantParts, kernels: bool = True) -> Weight:
     """The storage format for matrix `t`: panels for half weights the CPU kernels read (when
     a panel width divides the row), rows otherwise. `kernels=False`: rows for the torch route
     only (the GPU tier, also when it is CPU tensors in tests). Quantized blocks stay blocks."""
+    if isinstance(t, quant.QuantParts):
+        return PartsWeight(t)
     if quant.is_quantized(t):
         return QuantWeight(t)
     if kernels and cpu.supports(t) and t.dtype != torch.float32 and panel_width(int(t.shape[1])) > 0:

@@ -251,9 +251,13 @@ def matmul(t: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -
     """x (T, cols) @ W.T (+ bias) for quantized W: the block dots over four rows and four
     tokens at a time (`_matmul_tiles`), each (row, token) dot the GEMV's own."""
     w = t.numpy()
-    qa = quantize_acts_rows(np.ascontiguousarray(x.float().numpy()), w.shape[2])
-    out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
-    _matmul_tiles(w, qa, out)
+    xs = np.ascontiguousarray(x.float().numpy())
+    if xs.shape[0] == 1:  # the GEMV (four row streams) reads one vector's rows faster than tiles do
+        out = np.zeros((1, w.shape[0]), dtype=np.float32)
+        add_matvec_q(w, xs[0], np.zeros(0, dtype=np.float32), out[0], 0)
+    else:
+        out = np.empty((xs.shape[0], w.shape[0]), dtype=np.float32)
+        _matmul_tiles(w, quantize_acts_rows(xs, w.shape[2]), out)
     res = torch.from_numpy(out)
     return res if bias is None else res.add_(bias)
 

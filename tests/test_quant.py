@@ -197,13 +197,13 @@ def test_default_model_runs_on_its_own_blocks(smollm2_path):
     ids = torch.tensor(ref.tokenizer.encode("The capital of France is"))
     prefill = m.forward(ids, m.new_cache(64), all_logits=True)
     fp32 = ref.model.forward(ids, ref.model.new_cache(64), all_logits=True)
-    assert (prefill - fp32).abs().mean() < 0.3 and (prefill - fp32).abs().max() < 2.5  # logits span about 50
+    assert (prefill - fp32).abs().mean() < 0.5 and (prefill - fp32).abs().max() < 2.5  # logits span about 50
     assert torch.equal(prefill.argmax(-1), fp32.argmax(-1))
     cache = m.new_cache(64)
     decode = torch.stack([m.forward(tok[None], cache) for tok in ids])  # the GEMV; prefill took the tiles
     # the two routes' attention rounds apart by ~1e-7, enough to move a few activations to the
     # next int8 step; 30 layers carry that as far as the int8 rounding itself goes
-    assert torch.equal(decode.argmax(-1), prefill.argmax(-1)) and (decode - prefill).abs().mean() < 0.3
+    assert torch.equal(decode.argmax(-1), prefill.argmax(-1)) and (decode - prefill).abs().mean() < 0.5
     parted = 0
     for question in ("Why is the sky blue?", "Write a poem about the sea."):
         prompt = native.tokenizer.encode_chat([{"role": "user", "content": question}])
@@ -397,7 +397,7 @@ def test_packed_default_model_keeps_its_blocks(smollm2_path, tmp_path):
     cache = m.new_cache(64)
     decode = torch.stack([m.forward(t[None], cache) for t in ids])  # quant_sparse row kernels
     # the two routes agree (to the int8 activations' rounding, see the test above)
-    assert torch.equal(decode.argmax(-1), prefill.argmax(-1)) and (decode - prefill).abs().mean() < 0.3
+    assert torch.equal(decode.argmax(-1), prefill.argmax(-1)) and (decode - prefill).abs().mean() < 0.5
     dense = ref.forward(ids, ref.new_cache(64), all_logits=True)
     # against the dense model only the Q8_0 requantization of the down projection differs:
     # the same next tokens, logits within a few percent (perplexity +0.27%, docs/BENCHMARKS.md)

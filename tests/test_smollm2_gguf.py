@@ -51,7 +51,7 @@ def test_logits_match_transformers(ours, ours_fp32, oracle):
         if exact:
             torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
         else:
-            assert (got - expected).abs().mean() < 0.3 and (got - expected).abs().max() < 2.5
+            assert (got - expected).abs().mean() < 0.5 and (got - expected).abs().max() < 2.5
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 

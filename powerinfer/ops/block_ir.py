@@ -39,12 +39,11 @@ from numba.extending import intrinsic
 _F32, _I8, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _VF8, _VI8 = ir.VectorType(_F32, 8), ir.VectorType(_I32, 8)
 _VB32, _VB16 = ir.VectorType(_I8, 32), ir.VectorType(_I8, 16)
-# Every float op carries a flag that allows neither fusion nor reassociation (numba's
-# fastmath pass would give an op without flags "fast"); the multiply-adds are explicit
-# llvm.fmuladd calls (fused where the CPU has FMA). With "contract" LLVM may also re-chain
-# two multiply-adds into one accumulator depending on the surrounding code, so a 4 x 4 tile
-# rounded apart from the GEMV.
-_EXACT = ("nsz",)
+# FMAs, no reassociation (numba's fastmath pass would give an op without flags "fast"). Where
+# two multiply-adds meet one accumulator (Q4_1/Q5_1's offset after the runs), the second is
+# an explicit llvm.fmuladd: with two "contract" candidates LLVM re-chained them in a 4 x 4
+# tile but not in the GEMV, and the two rounded apart.
+_FUSE = ("contract",)
 K_BLOCK_BYTES = (144, 176, 210)  # Q4_K, Q5_K, Q6_K: 256 weights per block; the others 32
 
 
@@ -179,11 +178,6 @@ def _call(builder: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) 
     return builder.call(fn, args)
 
 
-def _fmuladd(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
-    """a * b + c on <8 x float>, one rounding where the CPU fuses multiply-adds."""
-    return _call(builder, "llvm.fmuladd.v8f32", _VF8, [a, b, c])
-
-
 def _idot(builder: ir.IRBuilder, isa: str, q: ir.Value, signed: bool, a: ir.Value, gs: ir.Value,
           bias_shift: int | None) -> ir.Value:
     """Eight int32 sums, lane i = sum over bytes 4i..4i+3 of (q - bias) * a, exact: q 32
@@ -255,10 +249,10 @@ def _k4_scales_mins(builder: ir.IRBuilder, p: ir.Value) -> tuple[ir.Value, ir.Va
 def _block_runs(builder: ir.IRBuilder, p: ir.Value, bb: int):
     """A weight block as runs of 32 quants, each: (quants <32 x i8>, signed, bias shift,
     activation block k, scale), scale an fp32 scalar or (for Q6_K) <8 x float> lanes; and
-    its offset: the fp32 m of Q4_1/Q5_1, <8 x float> -dmin m_j (Q4_K, Q5_K), or None.
+    its offsets: [(m, k)] (Q4_1, Q5_1), or <8 x float> -dmin m_j (Q4_K, Q5_K), or none.
     weight = scale * (quant - bias) (+ offset)."""
     if bb == 34:
-        return [(_load(builder, p, 2, _VB32), True, None, 0, _half(builder, p, 0))], None
+        return [(_load(builder, p, 2, _VB32), True, None, 0, _half(builder, p, 0))], []
     if bb in (18, 20, 22, 24):
         qs_at = {18: 2, 20: 4, 22: 6, 24: 8}[bb]
         qs = _load(builder, p, qs_at, _VB16)
@@ -267,12 +261,12 @@ def _block_runs(builder: ir.IRBuilder, p: ir.Value, bb: int):
             q = builder.or_(q, _fifth_bits(builder, _load(builder, p, qs_at - 4, _I32)))
         d = _half(builder, p, 0)
         if bb in (18, 22):  # the bias 8 (16) off in integers: the dot starts at -8 (-16) x the 4-sums
-            return [(q, False, 3 if bb == 18 else 4, 0, d)], None
-        return [(q, False, None, 0, d)], _half(builder, p, 2)
+            return [(q, False, 3 if bb == 18 else 4, 0, d)], []
+        return [(q, False, None, 0, d)], [(_half(builder, p, 2), 0)]
     if bb == 210:  # Q6_K: 16 sub-blocks of 16, d * int8 sc * (6-bit q - 32)
         d = _half(builder, p, 208)
         scales = builder.fmul(builder.sitofp(_load(builder, p, 192, _VB16), ir.VectorType(_F32, 16)),
-                              _splat(builder, d, 16), flags=_EXACT)
+                              _splat(builder, d, 16), flags=_FUSE)
         runs = []
         for half in range(2):
             a, c = _load(builder, p, 64 * half, _VB32), _load(builder, p, 64 * half + 32, _VB32)
@@ -282,14 +276,14 @@ def _block_runs(builder: ir.IRBuilder, p: ir.Value, bb: int):
                 k = 4 * half + kk
                 lanes = builder.shuffle_vector(scales, scales, ir.Constant(_VI8, [2 * k] * 4 + [2 * k + 1] * 4))
                 runs.append((builder.or_(_nibbles(builder, src, high), top), False, 5, k, lanes))
-        return runs, None
+        return runs, []
     # Q4_K (144), Q5_K (176): 8 sub-blocks of 32, d sc_j q - dmin m_j; the 32 bytes of pair
     # p hold sub-block 2p in their low nibbles and 2p + 1 in their high ones
     d, dmin = _half(builder, p, 0), _half(builder, p, 2)
     qs_at = 16 if bb == 144 else 48
     sc8, m8 = _k4_scales_mins(builder, p)
-    scales = builder.fmul(sc8, _splat(builder, d, 8), flags=_EXACT)
-    mins = builder.fmul(m8, _splat(builder, builder.fmul(dmin, ir.Constant(_F32, -1.0), flags=_EXACT), 8), flags=_EXACT)
+    scales = builder.fmul(sc8, _splat(builder, d, 8), flags=_FUSE)
+    mins = builder.fmul(m8, _splat(builder, builder.fmul(dmin, ir.Constant(_F32, -1.0), flags=_FUSE), 8), flags=_FUSE)
     qh = _load(builder, p, 16, _VB32) if bb == 176 else None
     runs = []
     for j in range(8):
@@ -310,7 +304,7 @@ def _reduce(builder: ir.IRBuilder, acc: ir.Value) -> ir.Value:
         h = acc.type.count // 2
         lo = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(_I32, h), list(range(h))))
         hi = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(_I32, h), list(range(h, 2 * h))))
-        acc = builder.fadd(lo, hi, flags=_EXACT)
+        acc = builder.fadd(lo, hi, flags=_FUSE)
     return builder.extract_element(acc, ir.Constant(_I32, 0))
 
 
@@ -333,6 +327,9 @@ def _block_dots(bb: int, R: int, V: int):
             row_ptrs = [builder.inttoptr(builder.extract_value(rows_t, k), i8p) for k in range(R)]
             act_ptrs = [builder.inttoptr(builder.extract_value(acts_t, j), i8p) for j in range(V)]
             accs = [cgutils.alloca_once_value(builder, ir.Constant(_VF8, [0.0] * 8)) for _ in range(R * V)]
+            k_mins = bb in (144, 176)
+            zero = ir.Constant(_VF8, [0.0] * 8) if k_mins else ir.Constant(_F32, 0.0)
+            offsets = [cgutils.alloca_once_value(builder, zero) for _ in range(R * V)]
             with cgutils.for_range(builder, nb_v) as loop:
                 b = loop.index
                 recs = [builder.gep(ap, [builder.mul(b, _c64(rec))]) for ap in act_ptrs]
@@ -343,32 +340,40 @@ def _block_dots(bb: int, R: int, V: int):
                         act_scales.append((_load(builder, r, P + 32 * n, _VF8), _load(builder, r, P + 36 * n, _VF8)))
                     else:
                         act_scales.append((_load(builder, r, P + 32, _F32), _load(builder, r, P + 36, _F32)))
-                # each vector's activation scales as 8 lanes, shared by the R rows; for Q4_1/Q5_1
-                # its 32-sum over 8 in each lane (the offset m x sum spread over the lanes, so that
-                # it joins the row's accumulator instead of holding a register of its own)
+                # each vector's activation scales as 8 lanes, shared by the R rows
                 da_lanes = [[_splat(builder, builder.extract_element(da, ir.Constant(_I32, k)) if n == 8 else da, 8)
                              for k in range(n)] for da, _ in act_scales]
-                sa_lanes = [sa if n == 8 else _splat(builder, builder.fmul(sa, ir.Constant(_F32, 0.125), flags=_EXACT), 8)
-                            for _, sa in act_scales]
                 for kr in range(R):
-                    runs, off = _block_runs(builder, builder.gep(row_ptrs[kr], [builder.mul(b, _c64(bb))]), bb)
-                    off_lanes = off if off is None or isinstance(off.type, ir.VectorType) else _splat(builder, off, 8)
+                    runs, offs = _block_runs(builder, builder.gep(row_ptrs[kr], [builder.mul(b, _c64(bb))]), bb)
                     # each run's weight scale as 8 lanes, shared by the V vectors
                     w_lanes = [scale if isinstance(scale.type, ir.VectorType) else _splat(builder, scale, 8)
                                for _, _, _, _, scale in runs]
                     for j in range(V):
                         acc = accs[kr * V + j]
                         total = builder.load(acc)
+                        sa = act_scales[j][1]
                         for (q, signed, shift, k, _), wl in zip(runs, w_lanes):
                             a = _load(builder, recs[j], 32 * k, _VB32)
                             gs = _load(builder, recs[j], P + 32 * k, _VI8) if shift is not None else None
                             i = _idot(builder, isa, q, signed, a, gs, shift)
-                            xa = builder.fmul(builder.sitofp(i, _VF8), da_lanes[j][k], flags=_EXACT)
-                            total = _fmuladd(builder, xa, wl, total)
-                        if off_lanes is not None:  # m x 32-sum (Q4_1/Q5_1), -dmin m_j x 32-sum_j (K)
-                            total = _fmuladd(builder, off_lanes, sa_lanes[j], total)
+                            xa = builder.fmul(builder.sitofp(i, _VF8), da_lanes[j][k], flags=_FUSE)
+                            total = builder.fadd(total, builder.fmul(xa, wl, flags=_FUSE), flags=_FUSE)
                         builder.store(total, acc)
-            outs = [_reduce(builder, builder.load(acc)) for acc in accs]
+                        if k_mins:  # 8 sub-blocks' mins times their 32-sums
+                            o = offsets[kr * V + j]
+                            builder.store(builder.fadd(builder.load(o), builder.fmul(offs, sa, flags=_FUSE),
+                                                       flags=_FUSE), o)
+                        elif offs:  # m x 32-sum spread over the 8 lanes (no register of its own)
+                            coef = offs[0][0]
+                            t = _call(builder, "llvm.fmuladd.v8f32", _VF8,
+                                      [_splat(builder, coef, 8),
+                                       _splat(builder, builder.fmul(sa, ir.Constant(_F32, 0.125), flags=_FUSE), 8),
+                                       builder.load(acc)])
+                            builder.store(t, acc)
+            outs = []
+            for acc, o in zip(accs, offsets):
+                off = _reduce(builder, builder.load(o)) if k_mins else ir.Constant(_F32, 0.0)
+                outs.append(builder.fadd(_reduce(builder, builder.load(acc)), off, flags=_FUSE))
             return context.make_tuple(builder, signature.return_type, outs)
 
         return sig, codegen

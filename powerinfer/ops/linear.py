@@ -13,6 +13,7 @@ import torch
 from . import batch_decode, cpu
 from .panels import gemv_any, threads
 from .quant import QuantParts
+from .quant import add_matvec_q as quant_gemv
 from .weights import PanelWeight, PartsWeight, Weight, weight_for
 
 _NO_ROWS = np.zeros((0, 0), dtype=np.float32)  # no residual, for the batch kernels
@@ -70,10 +71,9 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """W x + b (+ residual) for x of shape (T, in); fp32 result of shape (T, out)."""
-        kernel = self.w.kernel
         T = x.shape[0]
-        if kernel is not None and (T == 1 or (T <= SMALL_BATCH and self._half) or (T <= QUANT_SMALL_BATCH and
-                                                                                  self._quant)):
+        if self.batch_kernels and (T == 1 or (T <= SMALL_BATCH and self._half) or (T <= QUANT_SMALL_BATCH and
+                                                                                   self._quant)):
             # For a few tokens the batched GEMV beats widening the weights to fp32 for a GEMM.
             return self.each_row(x, residual)
         y = self.w.matmul(x, self.bias)
@@ -83,8 +83,9 @@ class Linear:
         """W x + b (+ residual) for x (T, in) on the CPU, each row computed exactly as the
         one-token GEMV computes it, with the weight read once for all rows (batched decode:
         a sequence's result does not depend on the batch)."""
-        if isinstance(self.w, PartsWeight):  # its matmul already computes each row as one token's
-            y = self.w.matmul(x, self.bias)
+        if isinstance(self.w, PartsWeight):  # each part as the batched GEMV, then as a token's
+            y = torch.cat([torch.from_numpy(self._parts_rows(p, x)) for p in self.w.parts.parts], dim=1)
+            y = y if self.bias is None else y + self.bias
             return y if residual is None else y + residual
         kernel = self.w.kernel
         assert kernel is not None, "each_row needs a weight the CPU kernels read"
@@ -98,6 +99,17 @@ class Linear:
             res = _NO_ROWS if residual is None else residual.expand(T, -1).contiguous().numpy()
             batch_decode.gemv(kernel, xs, self.b_np, res, out, threads())
         return torch.from_numpy(out)
+
+    @staticmethod
+    def _parts_rows(part: torch.Tensor, x: torch.Tensor) -> np.ndarray:
+        """x (T, in) times one part's rows (GGUF blocks), each row as the one-token GEMV makes it."""
+        xs = x.float().contiguous().numpy()
+        out = np.zeros((xs.shape[0], part.shape[0]), dtype=np.float32)
+        if xs.shape[0] == 1:
+            quant_gemv(part.numpy(), xs[0], cpu.NO_BIAS, out[0], 0)
+        else:
+            batch_decode.add_matvec_q(part.numpy(), xs, cpu.NO_BIAS, out, 0)
+        return out
 
     def tensors(self) -> list[torch.Tensor]:
         return self.w.tensors() + ([self.bias] if self.bias is not None else [])

@@ -21,7 +21,7 @@ Every kernel takes its block dots from `block_ir`: the activations quantized to 
 values (as llama.cpp does) and integer dot products (VNNI, AVX2 or plain, by the CPU),
 LLVM vector IR with lane accumulators across a row. The GEMV does four rows per step; the
 matmul (prefill, and any batch past a few tokens) four rows by four tokens, each (row,
-token) dot exactly the GEMV's, so no float copy of a matrix is ever made.
+token) dot the GEMV's arithmetic; no float copy of a matrix is made.
 Every kernel's reference twin is `dequantize` (the gguf package's) and the fp32 op on
 `block_ir.reference_acts(x)` (the activations rounded as the kernels round them).
 """
@@ -351,8 +351,7 @@ def matrix_shape(t: torch.Tensor | QuantParts) -> tuple[int, ...]:
 
 
 def matmul_parts(w: QuantParts, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (T, cols) @ W.T (+ bias) for `QuantParts`: each part's rows by `matmul`, whose (row,
-    token) dots are the GEMV's, so one token and a batch give the same bits."""
+    """x (T, cols) @ W.T (+ bias) for `QuantParts`: each part's rows by `matmul`."""
     out = torch.cat([matmul(p, x) for p in w.parts], dim=1)
     return out if bias is None else out.add_(bias)
 

@@ -105,16 +105,21 @@ def _dots_on(env: dict[str, str], tmp_path, instruction: str) -> list[str]:
     return out.stdout.split("\n")
 
 
+@pytest.fixture(scope="module")
+def host_dots(tmp_path_factory) -> list[str]:
+    """This machine's GEMV results, compiled fresh in a process of their own (once)."""
+    return _dots_on({}, tmp_path_factory.mktemp("host"), "vpdpbusd")
+
+
 @pytest.mark.parametrize("isa", list(OTHER_CPUS))
-def test_block_dots_compiled_for_other_cpus_give_the_same_bits(isa, tmp_path):
+def test_block_dots_compiled_for_other_cpus_give_the_same_bits(isa, tmp_path, host_dots):
     """Machines differ (some AVX-512 VNNI, some AVX2 only, older ones neither) and numba
     compiles for the host: the GEMV compiled for each other kind of CPU uses that CPU's
     integer dot (no 512-bit registers) and returns this machine's results, every format:
     bit for bit where the CPU fuses multiply-adds (the integer dots are exact and the float
     steps alike), to an ulp or two where it has no FMA."""
     env, instruction = OTHER_CPUS[isa]
-    there = _dots_on(env, tmp_path / isa, instruction)
-    here = _dots_on({}, tmp_path / "host", "vpdpbusd")  # fresh compiles on both sides
+    there, here = _dots_on(env, tmp_path, instruction), host_dots  # fresh compiles on both sides
     assert there[0] == isa and there[1] == "False" and there[2] == "True", there[:3]
     if isa == "avx2":
         assert there[3] == here[3]

@@ -88,8 +88,8 @@ def add_matvec_panels(wp, V, b, X, threads):
 @njit(fastmath=True, cache=True)
 def add_matvec_q(w, V, b, X, threads):
     """X[s] += W V[s] (+ b), W in GGUF blocks, for a batch (B >= 2; one vector takes
-    `quant.add_matvec_q`): four vectors at a time through one widening of each block
-    (`add_matvec_4v`)."""
+    `quant.add_matvec_q`): the vectors quantized to int8 records once, then eight (four,
+    two, one) at a time through one unpacking of each block (`add_matvec_4v`)."""
     B = V.shape[0]
     add_matvec_4v(w, quantize_acts_rows(V, w.shape[2]), X)
     n = w.shape[0]

@@ -13,7 +13,6 @@ import torch
 from . import batch_decode, cpu
 from .panels import gemv_any, threads
 from .quant import QuantParts
-from .quant import add_matvec_q as quant_gemv
 from .weights import PanelWeight, PartsWeight, Weight, weight_for
 
 _NO_ROWS = np.zeros((0, 0), dtype=np.float32)  # no residual, for the batch kernels
@@ -83,33 +82,30 @@ class Linear:
         """W x + b (+ residual) for x (T, in) on the CPU, each row computed exactly as the
         one-token GEMV computes it, with the weight read once for all rows (batched decode:
         a sequence's result does not depend on the batch)."""
-        if isinstance(self.w, PartsWeight):  # each part as the batched GEMV, then as a token's
-            y = torch.cat([torch.from_numpy(self._parts_rows(p, x)) for p in self.w.parts.parts], dim=1)
+        xs = x.float().contiguous().numpy()
+        if isinstance(self.w, PartsWeight):  # each part's rows as a one-format matrix's, side by side
+            parts = self.w.parts.parts
+            y = torch.cat([_each_row(p.numpy(), p.shape[0], xs, cpu.NO_BIAS, None) for p in parts], dim=1)
             y = y if self.bias is None else y + self.bias
             return y if residual is None else y + residual
-        kernel = self.w.kernel
-        assert kernel is not None, "each_row needs a weight the CPU kernels read"
-        T = x.shape[0]
-        out = np.empty((T, self.shape[0]), dtype=np.float32)
-        xs = x.float().contiguous().numpy()
-        if T == 1:
-            res = cpu.NO_BIAS if residual is None else residual.reshape(-1).contiguous().numpy()
-            gemv_any(kernel, xs[0], self.b_np, res, out[0], threads())
-        else:
-            res = _NO_ROWS if residual is None else residual.expand(T, -1).contiguous().numpy()
-            batch_decode.gemv(kernel, xs, self.b_np, res, out, threads())
-        return torch.from_numpy(out)
-
-    @staticmethod
-    def _parts_rows(part: torch.Tensor, x: torch.Tensor) -> np.ndarray:
-        """x (T, in) times one part's rows (GGUF blocks), each row as the one-token GEMV makes it."""
-        xs = x.float().contiguous().numpy()
-        out = np.zeros((xs.shape[0], part.shape[0]), dtype=np.float32)
-        if xs.shape[0] == 1:
-            quant_gemv(part.numpy(), xs[0], cpu.NO_BIAS, out[0], 0)
-        else:
-            batch_decode.add_matvec_q(part.numpy(), xs, cpu.NO_BIAS, out, 0)
-        return out
+        assert self.w.kernel is not None, "each_row needs a weight the CPU kernels read"
+        return _each_row(self.w.kernel, self.shape[0], xs, self.b_np, residual)
 
     def tensors(self) -> list[torch.Tensor]:
         return self.w.tensors() + ([self.bias] if self.bias is not None else [])
+
+
+def _each_row(kernel: np.ndarray, rows: int, xs: np.ndarray, b_np: np.ndarray,
+              residual: torch.Tensor | None) -> torch.Tensor:
+    """W xs[t] + b (+ residual[t]) for every row t of xs (T, in), W the kernel array of a
+    `rows`-row matrix, each as the one-token GEMV computes it: the GEMV for one row, the
+    batched GEMV (the weight read once) for more."""
+    T = xs.shape[0]
+    out = np.empty((T, rows), dtype=np.float32)
+    if T == 1:
+        res = cpu.NO_BIAS if residual is None else residual.reshape(-1).contiguous().numpy()
+        gemv_any(kernel, xs[0], b_np, res, out[0], threads())
+    else:
+        res = _NO_ROWS if residual is None else residual.expand(T, -1).contiguous().numpy()
+        batch_decode.gemv(kernel, xs, b_np, res, out, threads())
+    return torch.from_numpy(out)

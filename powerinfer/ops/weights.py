@@ -109,7 +109,8 @@ class QuantWeight(Weight):
 class PartsWeight(Weight):
     """GGUF blocks of mixed formats stacked by rows (`quant.QuantParts`: a Q4_K_M file's fused
     QKV), each part in its own blocks. No single array for the fused kernels (`kernel` is
-    None); every product runs `quant.matmul_parts`, one token or a batch alike."""
+    None): `Linear.each_row` runs each part's rows as a one-format block matrix's, and
+    `matmul` (prompts) `quant.matmul_parts`."""
 
     format = "parts"
 

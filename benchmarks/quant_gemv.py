@@ -1,6 +1,10 @@
-"""The quantized decode GEMV (`quant.add_matvec_q`) per GGUF format, next to a bus probe.
+"""The quantized decode GEMV per GGUF format and layout, next to a bus probe.
 
     .venv/bin/python benchmarks/quant_gemv.py [--rounds 10] [--formats Q4_0,Q4_1,...] [--batch 1]
+
+Layouts: "rows" (the file's blocks, `quant.add_matvec_q` / `batch_decode.add_matvec_q`) and,
+for Q4_0/Q4_1/Q8_0, "lanes" (16 rows interleaved, `lanes.add_matvec_lanes` /
+`lanes.add_matvec_lanes_batch`), measured side by side in every round.
 
 For each format, random blocks of a 4096x4096 matrix (the 7B attention shape) are cycled
 (working set above the LLC) and multiplied by one vector (or, with --batch B, by B vectors
@@ -19,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from powerinfer.ops import batch_decode, cpu, quant
+from powerinfer.ops import batch_decode, cpu, lanes, quant
 
 ROWS = COLS = 4096
 
@@ -53,13 +57,19 @@ def main() -> None:
         n = max(2, int(256e6 // (ROWS * COLS // per * nbytes)))
         mats = [random_blocks(fmt, ROWS, COLS, rng) for _ in range(n)]
         size = sum(m.nbytes for m in mats)
+        V, Y = rng.standard_normal((B, COLS)).astype(np.float32), np.zeros((B, ROWS), np.float32)
         if B == 1:
-            v, y = rng.standard_normal(COLS).astype(np.float32), np.zeros(ROWS, np.float32)
-            fn = (lambda mats=mats, v=v, y=y: [quant.add_matvec_q(w, v, cpu.NO_BIAS, y, 2) for w in mats])
+            fn = (lambda mats=mats, V=V, Y=Y: [quant.add_matvec_q(w, V[0], cpu.NO_BIAS, Y[0], 2) for w in mats])
         else:
-            V, Y = rng.standard_normal((B, COLS)).astype(np.float32), np.zeros((B, ROWS), np.float32)
             fn = (lambda mats=mats, V=V, Y=Y: [batch_decode.add_matvec_q(w, V, cpu.NO_BIAS, Y, 2) for w in mats])
         cases[fmt] = (fn, size, n * ROWS * COLS * B)
+        if fmt in lanes.FORMATS:
+            lm = [lanes.interleave(torch.from_numpy(m)).numpy() for m in mats]
+            if B == 1:
+                fn = (lambda lm=lm, V=V, Y=Y: [lanes.add_matvec_lanes(w, V[0], cpu.NO_BIAS, Y[0], 2) for w in lm])
+            else:
+                fn = (lambda lm=lm, V=V, Y=Y: [lanes.add_matvec_lanes_batch(w, V, cpu.NO_BIAS, Y, 2) for w in lm])
+            cases[fmt + " lanes"] = (fn, size, n * ROWS * COLS * B)
     for fn, _, _ in cases.values():
         fn()  # compile
     secs: dict[str, list[float]] = {k: [] for k in cases}

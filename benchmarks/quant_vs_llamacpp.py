@@ -37,7 +37,12 @@ def ours(path: str, dtype: str, threads: int, prompt: int, gen: int) -> dict:
     decode_round(lm.model, ids[:8], 4)  # compile and warm up: short prompts (batched GEMV)
     decode_round(lm.model, ids, 4)  # and the measured prompt's path (tiled GEMM past 16 tokens)
     pp, tg = decode_round(lm.model, ids, gen)
-    weight_bytes = sum(t.numel() * t.element_size() for t in lm.model.tensors())
+    # bytes read per token: every matrix once; the embedding table only where it is the LM head
+    # (a tied head re-laid as lanes is its own copy, and lookups read a row)
+    m = lm.model
+    head = {id(t) for t in m.lm_head.tensors()}
+    read = {id(t): t for t in m.tensors() if t is not m.embed or id(t) in head}
+    weight_bytes = sum(t.numel() * t.element_size() for t in read.values())
     return {"prefill": pp, "decode": tg, "rss": peak_rss(), "weight_bytes": weight_bytes}
 
 

@@ -16,10 +16,10 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from powerinfer.ops import block_ir, cpu, decode, panels, quant, reference
+from powerinfer.ops import block_ir, cpu, decode, lanes, panels, quant, reference
 from powerinfer.ops.activations import activation_id
 from powerinfer.ops.linear import Linear
-from powerinfer.ops.weights import QuantWeight, weight_for
+from powerinfer.ops.weights import LaneWeight, QuantWeight, weight_for
 
 FORMATS = list(quant.FORMATS)
 
@@ -198,8 +198,11 @@ def test_default_model_runs_on_its_own_blocks(smollm2_path):
     native = powerinfer.load(smollm2_path, dtype="native")
     ref = powerinfer.load(smollm2_path, dtype="fp32")
     m = native.model
-    assert all(isinstance(lin.w, QuantWeight) for layer in m.layers for lin in (layer.attn.qkv, layer.attn.o,
-                                                                               layer.ffn.w_in, layer.ffn.w_out))
+    # blocks re-laid 16 rows at a time for the dense kernels (ops/lanes.py); the embedding
+    # table stays in the file's rows (looked up), the tied LM head is its lanes copy
+    assert all(isinstance(lin.w, LaneWeight) for layer in m.layers for lin in (layer.attn.qkv, layer.attn.o,
+                                                                              layer.ffn.w_in, layer.ffn.w_out))
+    assert quant.is_quantized(m.embed) and isinstance(m.lm_head.w, LaneWeight)
     assert m.layers[0].attn.qkv.w.quant_format == "Q4_1" and m.lm_head.w.quant_format == "Q8_0"
     assert not any(t.is_floating_point() and t.dim() == 2 and t.numel() > 100_000 for t in m.tensors())
     ids = torch.tensor(ref.tokenizer.encode("The capital of France is"))
@@ -398,7 +401,7 @@ def test_packed_default_model_keeps_its_blocks(smollm2_path, tmp_path):
     ffn = lm.model.layers[0].ffn
     assert quant.format_of(ffn.cpu.w_gate) == "Q4_1" and quant.format_of(ffn.cpu.wt_down) == "Q8_0"
     assert ffn.gpu.n == a.ffn_dim // 4 and quant.is_quantized(ffn.gpu.w_up)
-    assert quant.is_quantized(lm.model.layers[0].attn.qkv.weight)  # dense parts stay blocks too
+    assert lanes.is_lanes(lm.model.layers[0].attn.qkv.weight)  # dense parts stay blocks too (as lanes)
     ids = torch.tensor(native.tokenizer.encode("The capital of France is"))
     m, ref = lm.model, native.model
     prefill = m.forward(ids, m.new_cache(64), all_logits=True)  # tiles, both tiers

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .cache import KVCache
 from .ffn import FFN, DenseFFN
-from ..ops import api, quant
+from ..ops import api, lanes, quant
 from ..ops.linear import Linear
 
 _EMPTY_TABLE = np.zeros((1, 1), dtype=np.float32)
@@ -252,22 +252,24 @@ class Model:
             # copied, so that the file can be unmapped and its cached pages dropped
             return w.clone() if w.untyped_storage().data_ptr() == source.untyped_storage().data_ptr() else w
 
-        def get(name: str, on_tier: bool = False) -> torch.Tensor | quant.QuantParts | None:
+        def get(name: str, on_tier: bool = False, lookup: bool = False) -> torch.Tensor | quant.QuantParts | None:
             w = state.pop(name, None)  # consumed: the source is freed as soon as it is copied
             if w is None:
                 return None
             if isinstance(w, quant.QuantParts):  # blocks of mixed formats: the torch route widens them
                 return place(w.widened(), on_tier) if on_tier else w
-            out = place(w, on_tier)
+            out = place(w, on_tier, lookup)
             if release is not None and out.untyped_storage().data_ptr() != w.untyped_storage().data_ptr():
                 release(w)
             return out
 
-        def place(w: torch.Tensor, on_tier: bool) -> torch.Tensor:
+        def place(w: torch.Tensor, on_tier: bool, lookup: bool = False) -> torch.Tensor:
             if on_tier:
                 return owned(w.to(device=t.device, dtype=t.dtype or dtype).contiguous(), w)
-            if quant.is_quantized(w):  # blocks stay where they are: a view of the mapped file, as
-                return w.contiguous()  # llama.cpp keeps them (its pages are the weights' only copy)
+            if quant.is_quantized(w):  # blocks stay blocks: re-laid once for the dense kernels (the
+                # file's pages are then released), else a view of the mapped file, as llama.cpp
+                # keeps them (its pages are the weights' only copy)
+                return lanes.interleave(w) if not lookup and lanes.fits(w) else w.contiguous()
             if dtype is None:  # native: as the file stores it
                 return owned(w.contiguous(), w)
             return owned(w.to(dtype).contiguous(), w)
@@ -288,7 +290,7 @@ class Model:
             return Norm(args.norm, w, b, args.norm_eps)
 
         # the embedding table is only looked up: on the tier only when it is also the LM head
-        self.embed = get("embed", t.head and args.tie_embeddings)
+        self.embed = get("embed", t.head and args.tie_embeddings, lookup=True)
         self.pos_embed = get32("pos_embed")
         self.project_in = linear("project_in")
         self.project_out = linear("project_out")
@@ -528,12 +530,17 @@ class Model:
         return decode_step(self, tokens, caches)
 
     def num_parameters(self) -> int:
-        seen: set[int] = set()
+        # a tied LM head re-laid as lanes is a copy of the embedding, not more parameters
+        tied_copy = self.args.tie_embeddings and self.lm_head is not None
+        seen = {id(t) for t in self.lm_head.tensors() if t is not self.embed} if tied_copy else set()
         total = 0
         for t in self.tensors():
             if id(t) not in seen:
                 seen.add(id(t))
-                rows, cols = quant.shape_of(t) if quant.is_quantized(t) else (t.numel(), 1)
+                if lanes.is_lanes(t):
+                    rows, cols = lanes.shape_of(t)
+                else:
+                    rows, cols = quant.shape_of(t) if quant.is_quantized(t) else (t.numel(), 1)
                 total += rows * cols
         return total
 

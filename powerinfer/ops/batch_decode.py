@@ -25,6 +25,7 @@ from .decode import _gated_value
 from .numba_half import widen
 from .panels import in_features
 from .block_ir import dot_row, dot_vecs2, dot_vecs4, dot_vecs8, quantize_acts_rows
+from .lanes import add_matvec_lanes_batch
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -106,6 +107,8 @@ def matvec_into(w, V, b, X, threads):  # pragma: no cover - only its numba overl
 
 @overload(matvec_into)
 def _matvec_into(w, V, b, X, threads):
+    if w.ndim == 4:
+        return lambda w, V, b, X, threads: add_matvec_lanes_batch(w, V, b, X, threads)
     if w.ndim == 3 and w.dtype == types.uint8:
         return lambda w, V, b, X, threads: add_matvec_q(w, V, b, X, threads)
     if w.ndim == 3:
@@ -158,7 +161,7 @@ def gated_hidden(H, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, h
 
 @overload(gated_hidden)
 def _gated_hidden_any(H, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):
-    if w_in.ndim == 3:
+    if w_in.ndim >= 3:
         return lambda H, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads: (
             _gated_hidden_pre(H, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads))
     return lambda H, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads: _gated_hidden_rows(

@@ -21,6 +21,7 @@ from numba.extending import overload
 from .criterion import GATE
 from .cpu import _act, attend_head, dot4, gated_value, rms_norm, row_dot, write_kv
 from .panels import add_matvec_panels, in_features, matvec_into, out_features
+from .lanes import add_matvec_lanes
 from .quant import add_matvec_q
 
 
@@ -99,8 +100,20 @@ def _gated_hidden_quant(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, thres
         hidden[i] = _gated_value(pre[i], pre[n_ff + i], i, n_ff, b_in, act_id, up_act_id, criterion, threshold)
 
 
+@njit(parallel=True, fastmath=True, cache=True)
+def _gated_hidden_lanes(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):
+    """_gated_hidden for w_in in lanes (ops/lanes.py): all gate and up dots, then the values."""
+    pre = np.zeros(2 * n_ff, dtype=np.float32)
+    add_matvec_lanes(w_in, h, np.zeros(0, dtype=np.float32), pre, threads)
+    for i in prange(n_ff):
+        hidden[i] = _gated_value(pre[i], pre[n_ff + i], i, n_ff, b_in, act_id, up_act_id, criterion, threshold)
+
+
 @overload(gated_hidden)
 def _gated_hidden_any(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):
+    if w_in.ndim == 4:
+        return lambda h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads: (
+            _gated_hidden_lanes(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads))
     if w_in.ndim == 3 and w_in.dtype == types.uint8:
         return lambda h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads: (
             _gated_hidden_quant(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads))

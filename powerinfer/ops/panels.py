@@ -29,6 +29,7 @@ from numba.extending import overload
 from .cpu import add_matvec
 from .memory import huge_empty
 from .numba_half import widen
+from .lanes import add_matvec_lanes
 from .quant import add_matvec_q
 
 # Panel widths are multiples of 16 (one AVX-512 vector of fp32) that divide the row, at
@@ -117,20 +118,27 @@ def gemv_any(w, x, bias, residual, out, threads):
 
 def gemv(w_np: np.ndarray, x: torch.Tensor) -> torch.Tensor:
     """W @ x for one fp32 vector x; `w_np` is numpy_weights(W), in rows or panels."""
-    out = np.empty(w_np.shape[1] if w_np.ndim == 3 else w_np.shape[0], dtype=np.float32)
+    if w_np.ndim == 4:  # lanes (ops/lanes.py)
+        rows = w_np.shape[0] * w_np.shape[2]
+    else:  # panels (nb, out, P); rows and GGUF blocks (out, ...)
+        rows = w_np.shape[1] if w_np.ndim == 3 and w_np.dtype != np.uint8 else w_np.shape[0]
+    out = np.empty(rows, dtype=np.float32)
     none = np.zeros(0, dtype=np.float32)  # no bias, no residual
     gemv_any(w_np, x.numpy(), none, none, out, threads())
     return torch.from_numpy(out)
 
 
 def matvec_into(w, v, b, x, threads):  # pragma: no cover - only its numba overload runs
-    """x += W v (+ b) inside numba kernels, for W in rows (2-D) or panels (3-D; `threads` is
-    numba's thread count, which the row kernel does not need)."""
+    """x += W v (+ b) inside numba kernels, for W in rows (2-D), panels (3-D; `threads` is
+    numba's thread count, which the row kernel does not need), GGUF blocks (3-D uint8) or
+    lanes (4-D)."""
     raise NotImplementedError("matvec_into() is for numba kernels")
 
 
 @overload(matvec_into)
 def _matvec_into(w, v, b, x, threads):
+    if w.ndim == 4:  # GGUF blocks re-laid 16 rows at a time (ops/lanes.py)
+        return lambda w, v, b, x, threads: add_matvec_lanes(w, v, b, x, threads)
     if w.ndim == 3 and w.dtype == types.uint8:  # GGUF quantized blocks (ops/quant.py)
         return lambda w, v, b, x, threads: add_matvec_q(w, v, b, x, threads)
     if w.ndim == 3:
@@ -144,6 +152,8 @@ def out_features(w):  # pragma: no cover - only its numba overload runs
 
 @overload(out_features)
 def _out_features(w):
+    if w.ndim == 4:
+        return lambda w: w.shape[0] * w.shape[2]
     if w.ndim == 3 and w.dtype == types.uint8:
         return lambda w: w.shape[0]
     if w.ndim == 3:
@@ -157,6 +167,8 @@ def in_features(w):  # pragma: no cover - only its numba overload runs
 
 @overload(in_features)
 def _in_features(w):
+    if w.ndim == 4:
+        return lambda w: w.shape[1] * 32
     if w.ndim == 3 and w.dtype == types.uint8:
         return lambda w: w.shape[1] * (32 if w.shape[2] < 144 else 256)  # K-quants: blocks of 256
     if w.ndim == 3:

@@ -5,7 +5,9 @@ A `Weight` is an (out, in) matrix stored one way:
 * `RowWeight`: row-major rows, fp32, bf16 or fp16, on any device (the torch route always
   works; on the CPU the numba kernels read it too);
 * `PanelWeight`: half rows re-laid in column panels (ops/panels.py) for the decode GEMV;
-* `QuantWeight`: GGUF quantized blocks as they are in the file (ops/quant.py).
+* `QuantWeight`: GGUF quantized blocks as they are in the file (ops/quant.py);
+* `LaneWeight`: GGUF blocks of Q4_0/Q4_1/Q8_0 re-laid 16 rows at a time (ops/lanes.py) for
+  the dense kernels, the same bytes in another order.
 
 What callers use is the same for every format: `kernel` (what the numba kernels take; the
 kernels choose their code path from its numpy type and rank, see panels.matvec_into),
@@ -24,7 +26,7 @@ import torch
 
 import torch.nn.functional as F
 
-from . import cpu, quant
+from . import cpu, lanes, quant
 from .memory import on_huge_pages
 from .numba_half import numpy_weights
 from .panels import panel_width, rows_from_panels, to_panels
@@ -106,6 +108,26 @@ class QuantWeight(Weight):
         return quant.matmul(self.stored, x, bias)
 
 
+class LaneWeight(Weight):
+    """GGUF blocks re-laid 16 rows at a time (rows / 16, blocks, 16, block bytes), ops/lanes.py."""
+
+    format = "lanes"
+
+    def __init__(self, t: torch.Tensor):
+        super().__init__(t, lanes.shape_of(t), t.numpy())
+        self.quant_format = lanes.format_of(t)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def rows(self) -> torch.Tensor:
+        return lanes.dequantize(self.stored)  # tests and tools only: the engine never calls it
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return lanes.matmul(self.stored, x, bias)
+
+
 class PartsWeight(Weight):
     """GGUF blocks of mixed formats stacked by rows (`quant.QuantParts`: a Q4_K_M file's fused
     QKV), each part in its own blocks. No single array for the fused kernels (`kernel` is
@@ -134,17 +156,21 @@ class PartsWeight(Weight):
 
 
 FORMATS: dict[str, type[Weight]] = {"rows": RowWeight, "panels": PanelWeight, "quant": QuantWeight,
-                                    "parts": PartsWeight}
+                                    "lanes": LaneWeight, "parts": PartsWeight}
 
 
 def weight_for(t: torch.Tensor | quant.QuantParts, kernels: bool = True) -> Weight:
     """The storage format for matrix `t`: panels for half weights the CPU kernels read (when
     a panel width divides the row), rows otherwise. `kernels=False`: rows for the torch route
-    only (the GPU tier, also when it is CPU tensors in tests). Quantized blocks stay blocks."""
+    only (the GPU tier, also when it is CPU tensors in tests). Quantized blocks stay blocks:
+    re-laid as lanes where their format and row count allow (a copy: callers that can free
+    the source pass lanes already, `lanes.interleave`), else as they are."""
     if isinstance(t, quant.QuantParts):
         return PartsWeight(t)
+    if lanes.is_lanes(t):
+        return LaneWeight(t)
     if quant.is_quantized(t):
-        return QuantWeight(t)
+        return LaneWeight(lanes.interleave(t)) if kernels and lanes.fits(t) else QuantWeight(t)
     if kernels and cpu.supports(t) and t.dtype != torch.float32 and panel_width(int(t.shape[1])) > 0:
         return PanelWeight(t)
     return RowWeight(t, kernels)

@@ -1,0 +1,171 @@
+"""GGUF blocks re-laid 16 rows at a time for the dense kernels (decode GEMV, batches, prefill).
+
+A lanes matrix is a uint8 array (rows / 16, blocks per row, 16, block bytes): per group of
+16 rows and block b, one group block of 16 x block bytes laid out for `lane_ir` (fp16
+scales of the 16 rows side by side, then the quants in 64-byte chunks, four bytes per row).
+Same bytes as the file's blocks, re-ordered once at load (llama.cpp repacks Q4_0 for
+AVX-512 the same way): a block dot then costs one integer instruction per four quants of
+16 rows, with the conversion and the fp32 multiply-add shared by the 16 (`lane_ir`).
+
+Formats: Q4_0, Q4_1, Q8_0 with rows a multiple of 16. Other formats and shapes stay in
+`quant`'s row layout, as do matrices whose rows are picked one at a time (the sparse FFN's
+rows, embeddings). Every kernel's reference twin: `dequantize` (back to rows, then gguf's)
+and the fp32 op on `block_ir.reference_acts(x)`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from . import quant
+from .block_ir import quantize_acts, quantize_acts_rows
+from .lane_ir import GROUP_BYTES, LANES, lane_dots1, lane_dots2, lane_dots4, lane_dots8, quant_start
+
+FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def fits(t: torch.Tensor) -> bool:
+    """Whether quantized row blocks `t` can be re-laid as lanes (format and row count)."""
+    return (quant.is_quantized(t) and t.device.type == "cpu" and quant.format_of(t) in FORMATS
+            and int(t.shape[0]) % LANES == 0 and int(t.shape[0]) > 0)
+
+
+def is_lanes(t: torch.Tensor) -> bool:
+    """Whether `t` is a lanes matrix."""
+    return t.dtype == torch.uint8 and t.dim() == 4 and int(t.shape[2]) == LANES and int(t.shape[3]) in GROUP_BYTES
+
+
+def format_of(t: torch.Tensor) -> str:
+    return quant.BLOCK_BYTES[int(t.shape[3])]
+
+
+def shape_of(t: torch.Tensor) -> tuple[int, int]:
+    """The (rows, cols) of the matrix a lanes tensor holds."""
+    return int(t.shape[0]) * LANES, int(t.shape[1]) * 32
+
+
+def interleave(t: torch.Tensor) -> torch.Tensor:
+    """Row blocks (rows, nb, bb) -> lanes (rows / 16, nb, 16, bb): a new array."""
+    bb = int(t.shape[2])
+    rows, nb = int(t.shape[0]), int(t.shape[1])
+    src = t.numpy().reshape(rows // LANES, LANES, nb, bb).transpose(0, 2, 1, 3)  # (G, nb, 16, bb) view
+    out = np.empty((rows // LANES, nb, LANES * bb), dtype=np.uint8)
+    scales = 4 if bb == 20 else 2  # d (and m) of each row, as they sit at the block's start
+    for k in range(0, scales, 2):
+        out[:, :, 16 * k : 16 * k + 32] = src[:, :, :, k : k + 2].reshape(rows // LANES, nb, 32)
+    qs = src[:, :, :, scales:]  # (G, nb, 16, quant bytes)
+    chunks = (bb - scales) // 4
+    qs = qs.reshape(rows // LANES, nb, LANES, chunks, 4).transpose(0, 1, 3, 2, 4).reshape(rows // LANES, nb, -1)
+    start = quant_start(bb)
+    out[:, :, start:] = qs ^ np.uint8(0x80) if bb == 34 else qs  # Q8_0 stored unsigned (lane_ir)
+    return torch.from_numpy(out.reshape(rows // LANES, nb, LANES, bb))
+
+
+def deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """Lanes -> row blocks (rows, nb, bb): `interleave`'s inverse (tests and tools)."""
+    G, nb, _, bb = (int(s) for s in t.shape)
+    src = t.numpy().reshape(G, nb, LANES * bb)
+    out = np.empty((G, LANES, nb, bb), dtype=np.uint8)
+    scales = 4 if bb == 20 else 2
+    for k in range(0, scales, 2):
+        out[:, :, :, k : k + 2] = src[:, :, 16 * k : 16 * k + 32].reshape(G, nb, LANES, 2).transpose(0, 2, 1, 3)
+    chunks = (bb - scales) // 4
+    qs = src[:, :, quant_start(bb):].reshape(G, nb, chunks, LANES, 4)
+    qs = qs ^ np.uint8(0x80) if bb == 34 else qs
+    out[:, :, :, scales:] = qs.transpose(0, 3, 1, 2, 4).reshape(G, LANES, nb, chunks * 4)
+    return torch.from_numpy(out.reshape(G * LANES, nb, bb))
+
+
+def dequantize(t: torch.Tensor) -> torch.Tensor:
+    """The fp32 matrix (rows, cols): the reference."""
+    return quant.dequantize(deinterleave(t))
+
+
+@njit(inline="always")
+def _group(w, g):
+    return w.ctypes.data + g * w.strides[0]
+
+
+@njit(inline="always")
+def _at(X, s, g):
+    # the 16 fp32 of rows 16g..16g+15 in row s of X (contiguous rows checked by the caller)
+    return X.ctypes.data + s * X.strides[0] + 4 * LANES * g
+
+
+@njit(inline="always")
+def _check(w, X):
+    if w.strides[3] != 1 or w.strides[2] != w.shape[3] or w.strides[1] != w.shape[2] * w.shape[3]:
+        raise ValueError("lane dots need contiguous group blocks")
+    if X.strides[X.ndim - 1] != 4:
+        raise ValueError("lane dots write contiguous rows")
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def add_matvec_lanes(w, v, b, x, threads):
+    """x += W v (+ b) for W in lanes: each thread takes groups of 16 rows (`lane_ir`).
+    `threads` is unused: the signature is the panel kernels'."""
+    _check(w, x)
+    G, nb, bb = w.shape[0], w.shape[1], w.shape[3]
+    qa = quantize_acts(v, bb)
+    for g in prange(G):
+        lane_dots1(bb, _group(w, g), nb, (qa.ctypes.data,), (x.ctypes.data + 4 * LANES * g,))
+    if b.shape[0] > 0:
+        for k in range(x.shape[0]):
+            x[k] += b[k]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _add_dots(w, QA, X):
+    """X[s] += the dots of W's rows with QA[s]'s records, for every s: per group of 16 rows,
+    eight vectors at a time (each chunk unpacked once for the eight), then four, two, one.
+    Every (row, vector) pair runs the same arithmetic, so a batch row equals the GEMV's."""
+    G, nb, bb = w.shape[0], w.shape[1], w.shape[3]
+    B = QA.shape[0]
+    q0 = QA.ctypes.data
+    qs = QA.strides[0]
+    for g in prange(G):
+        wg = _group(w, g)
+        s = 0
+        while B - s >= 8:
+            lane_dots8(bb, wg, nb, (q0 + s * qs, q0 + (s + 1) * qs, q0 + (s + 2) * qs, q0 + (s + 3) * qs,
+                                    q0 + (s + 4) * qs, q0 + (s + 5) * qs, q0 + (s + 6) * qs, q0 + (s + 7) * qs),
+                       (_at(X, s, g), _at(X, s + 1, g), _at(X, s + 2, g), _at(X, s + 3, g), _at(X, s + 4, g),
+                        _at(X, s + 5, g), _at(X, s + 6, g), _at(X, s + 7, g)))
+            s += 8
+        if B - s >= 4:
+            lane_dots4(bb, wg, nb, (q0 + s * qs, q0 + (s + 1) * qs, q0 + (s + 2) * qs, q0 + (s + 3) * qs),
+                       (_at(X, s, g), _at(X, s + 1, g), _at(X, s + 2, g), _at(X, s + 3, g)))
+            s += 4
+        if B - s >= 2:
+            lane_dots2(bb, wg, nb, (q0 + s * qs, q0 + (s + 1) * qs), (_at(X, s, g), _at(X, s + 1, g)))
+            s += 2
+        if s < B:
+            lane_dots1(bb, wg, nb, (q0 + s * qs,), (_at(X, s, g),))
+
+
+@njit(fastmath=True, cache=True)
+def add_matvec_lanes_batch(w, V, b, X, threads):
+    """X[s] += W V[s] (+ b) for W in lanes, a batch: the vectors quantized once, then
+    `_add_dots`; each row equals `add_matvec_lanes` on V[s]."""
+    _check(w, X)
+    _add_dots(w, quantize_acts_rows(V, w.shape[3]), X)
+    if b.shape[0] > 0:
+        for s in range(X.shape[0]):
+            for k in range(X.shape[1]):
+                X[s, k] += b[k]
+
+
+def matmul(t: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (T, cols) @ W.T (+ bias) for W in lanes (prefill): 16 rows x 8 tokens per step,
+    each (row, token) dot the GEMV's own."""
+    w = t.numpy()
+    xs = np.ascontiguousarray(x.float().numpy())
+    out = np.zeros((xs.shape[0], shape_of(t)[0]), dtype=np.float32)
+    if xs.shape[0] == 1:
+        add_matvec_lanes(w, xs[0], np.zeros(0, dtype=np.float32), out[0], 0)
+    else:
+        _add_dots(w, quantize_acts_rows(xs, w.shape[3]), out)
+    res = torch.from_numpy(out)
+    return res if bias is None else res.add_(bias)

@@ -1,0 +1,131 @@
+"""GGUF blocks re-laid 16 rows at a time (ops/lanes.py, ops/lane_ir.py): the layout round-trips,
+every kernel against its reference twin (dequantize, the activations rounded as the kernels
+round them, then the fp32 op), every lanes format, 1 and 2 threads; batches equal the GEMV
+bit for bit; the AVX2 and plain integer dots equal VNNI's; and the dense engine picks lanes."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+import torch
+from numba import njit
+
+from powerinfer.ops import block_ir, lane_ir, lanes, quant, reference
+from powerinfer.ops.linear import Linear
+from powerinfer.ops.weights import LaneWeight, QuantWeight, weight_for
+
+from test_quant import acts, quantized
+
+NONE = np.zeros(0, dtype=np.float32)
+
+
+@pytest.mark.parametrize("fmt", lanes.FORMATS)
+def test_interleave_round_trips_and_keeps_the_bytes(fmt):
+    t = quantized(48, 96, fmt, seed=5)
+    L = lanes.interleave(t)
+    assert lanes.is_lanes(L) and not quant.is_quantized(L) and L.numel() == t.numel()
+    assert lanes.shape_of(L) == quant.shape_of(t) and lanes.format_of(L) == fmt
+    assert torch.equal(lanes.deinterleave(L), t)
+    # row 17's scale d sits at lane 1 of group 1; its first quant bytes in the first chunk
+    g = L.numpy()[1, 0].reshape(-1)
+    assert bytes(g[2:4]) == bytes(t.numpy()[17, 0, 0:2])
+    start, qs = lane_ir.quant_start(int(t.shape[2])), (4 if fmt == "Q4_1" else 2)
+    q = t.numpy()[17, 0, qs : qs + 4] ^ (0x80 if fmt == "Q8_0" else 0)
+    assert bytes(g[start + 4 : start + 8]) == bytes(q)
+
+
+def test_only_lanes_formats_and_row_counts_fit():
+    assert lanes.fits(quantized(32, 64, "Q4_0"))
+    assert not lanes.fits(quantized(40, 64, "Q4_0"))  # rows not a multiple of 16
+    assert not lanes.fits(quantized(32, 256, "Q4_K"))
+    assert isinstance(weight_for(quantized(40, 64, "Q8_0")), QuantWeight)
+    assert isinstance(weight_for(quantized(32, 64, "Q8_0")), LaneWeight)
+    assert isinstance(weight_for(quantized(32, 64, "Q8_0"), kernels=False), QuantWeight)
+
+
+@pytest.mark.parametrize("fmt", lanes.FORMATS)
+@pytest.mark.parametrize("rows,cols", [(16, 32), (48, 96), (1536, 576), (64, 1536)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemv_matches_reference(fmt, rows, cols, threads):
+    t = quantized(rows, cols, fmt, seed=rows + cols)
+    L = lanes.interleave(t)
+    x = torch.randn(cols, generator=torch.Generator().manual_seed(1))
+    b, res = torch.randn(rows), torch.randn(rows)
+    out = res.numpy().copy()
+    numba.set_num_threads(threads)
+    try:
+        lanes.add_matvec_lanes(L.numpy(), x.numpy(), b.numpy(), out, threads)
+    finally:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    expect = reference.gemv(quant.dequantize(t), acts(x), b, res)
+    torch.testing.assert_close(torch.from_numpy(out), expect, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", lanes.FORMATS)
+def test_batches_and_prefill_equal_the_gemv_bit_for_bit(fmt):
+    """Eight, four, two and one vectors per pass: each row of a batch (decode) and of a
+    prompt (prefill) is the GEMV's result on that vector alone."""
+    t = quantized(64, 160, fmt, seed=9)
+    L = lanes.interleave(t)
+    w = L.numpy()
+    X = torch.randn(15, 160, generator=torch.Generator().manual_seed(2))
+    solo = np.zeros((15, 64), dtype=np.float32)
+    for s in range(15):
+        lanes.add_matvec_lanes(w, X[s].numpy(), NONE, solo[s], 2)
+    batch = np.zeros((15, 64), dtype=np.float32)
+    lanes.add_matvec_lanes_batch(w, X.numpy(), NONE, batch, 2)
+    assert np.array_equal(batch, solo)
+    assert np.array_equal(lanes.matmul(L, X).numpy(), solo)
+    torch.testing.assert_close(torch.from_numpy(solo), acts(X) @ quant.dequantize(t).T, atol=2e-4, rtol=1e-4)
+
+
+def _gemv_for(isa: str, bb: int, monkeypatch):
+    """A one-vector lane GEMV over one group whose integer dots are `isa`'s (compiled on this
+    machine: the AVX2 and plain code run on any AVX-512 CPU too)."""
+    monkeypatch.setattr(lane_ir, "_isa", lambda: isa)
+    dots = lane_ir._lane_dots(bb, 1)
+
+    @njit
+    def run(w, qa, out):
+        dots(w.ctypes.data, w.shape[1], (qa.ctypes.data,), (out.ctypes.data,))
+
+    return run
+
+
+@pytest.mark.parametrize("fmt", lanes.FORMATS)
+def test_integer_dots_of_every_cpu_kind_give_the_same_bits(fmt, monkeypatch):
+    """Machines differ (AVX-512 VNNI, AVX2 only, neither): the three integer dots give the
+    same integers, and the float steps are the same, so the results are equal bit for bit."""
+    t = quantized(16, 512, fmt, seed=4)
+    w = lanes.interleave(t).numpy()
+    v = np.random.default_rng(3).standard_normal(512).astype(np.float32)
+    qa = block_ir.quantize_acts(v, int(t.shape[2]))
+    results = {}
+    for isa in ("vnni", "avx2", "generic"):
+        if isa == "vnni" and block_ir._isa() != "vnni":
+            continue
+        out = np.zeros(16, dtype=np.float32)
+        _gemv_for(isa, int(t.shape[2]), monkeypatch)(w[0:1], qa, out)
+        results[isa] = out
+    base = results["generic"]
+    for isa, out in results.items():
+        assert np.array_equal(out, base), isa
+    expect = reference.gemv(quant.dequantize(t), acts(torch.from_numpy(v)), torch.zeros(16), torch.zeros(16))
+    torch.testing.assert_close(torch.from_numpy(base), expect, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", lanes.FORMATS)
+def test_linear_on_lanes_decode_batch_and_prompt(fmt):
+    """`Linear` on a lanes weight: one token (GEMV), a few (batched GEMV) and a prompt
+    (lanes matmul), all equal to each token's GEMV, with bias and residual."""
+    t = quantized(48, 64, fmt, seed=1)
+    lin = Linear(t, torch.randn(48))
+    assert isinstance(lin.w, LaneWeight) and lin.w.quant_format == fmt
+    torch.testing.assert_close(lin.w.rows(), quant.dequantize(t))
+    X = torch.randn(20, 64)
+    one = torch.cat([lin(X[s : s + 1]) for s in range(20)])
+    assert torch.equal(lin(X[:5]), one[:5])
+    assert torch.equal(lin(X), one)
+    r = torch.randn(20, 48)
+    torch.testing.assert_close(lin(X, residual=r), one + r)

@@ -106,8 +106,11 @@ def test_integer_dots_of_every_cpu_kind_give_the_same_bits(fmt, monkeypatch):
         if isa == "vnni" and block_ir._isa() != "vnni":
             continue
         out = np.zeros(16, dtype=np.float32)
-        _gemv_for(isa, int(t.shape[2]), monkeypatch)(w[0:1], qa, out)
+        run = _gemv_for(isa, int(t.shape[2]), monkeypatch)
+        run(w[0:1], qa, out)
         results[isa] = out
+        asm = run.inspect_asm(run.signatures[0])
+        assert ("vpdpbusd" in asm, "pmaddubsw" in asm) == (isa == "vnni", isa == "avx2"), isa
     base = results["generic"]
     for isa, out in results.items():
         assert np.array_equal(out, base), isa

@@ -5,10 +5,6 @@ engine on the default model's own Q4_1/Q8_0 weights against the fp32 path."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numba
 import numpy as np
 import pytest
@@ -70,62 +66,43 @@ def test_gemv_matches_reference(fmt, rows, cols, threads):
     torch.testing.assert_close(torch.from_numpy(out), reference.gemv(dense, acts(x), b, res), atol=2e-4, rtol=1e-4)
 
 
-# compile targets other than this machine: the integer dots each kind of CPU gets
-OTHER_CPUS = {
-    "avx2": ({"NUMBA_CPU_NAME": "haswell",
-              "NUMBA_CPU_FEATURES": "+avx,+avx2,+fma,+f16c,+sse4.2,+popcnt,-avx512f,-avx512vl,-avx512bw,-avx512vnni"},
-             "vpmaddubsw"),
-    "generic": ({"NUMBA_CPU_NAME": "ivybridge", "NUMBA_CPU_FEATURES": "+avx,+f16c,+sse4.2,+popcnt,-avx2,-fma,-avx512f"},
-                "vpmulld"),
-}
-DOTS_SCRIPT = """
-import numpy as np, torch, sys
-from powerinfer.ops import block_ir, cpu, quant
-sys.path.insert(0, "tests")
-from test_quant import quantized
-out = []
-for fmt in quant.FORMATS:
-    t = quantized(35, 512, fmt, seed=3)
-    v = np.random.default_rng(1).standard_normal(512).astype(np.float32)
-    y = np.zeros(35, np.float32)
-    quant.add_matvec_q(t.numpy(), v, cpu.NO_BIAS, y, 2)
-    out.append(y.tobytes().hex())
-print(block_ir._isa())
-print("zmm" in "".join(quant.add_matvec_q.inspect_asm().values()))
-print("".join(quant.add_matvec_q.inspect_asm().values()).count(sys.argv[1]) > 0)
-print(" ".join(out))
-"""
+def _row_dot_for(isa: str, bb: int, monkeypatch):
+    """A one-row, one-vector block dot whose integer dots are `isa`'s, compiled on this
+    machine (the AVX2 and plain code run on any AVX-512 CPU too)."""
+    from numba import njit
+
+    monkeypatch.setattr(block_ir, "_isa", lambda: isa)
+    dots = block_ir._block_dots(bb, 1, 1)
+
+    @njit
+    def run(w, qa):
+        return dots((w.ctypes.data,), w.shape[1], (qa.ctypes.data,))[0]
+
+    return run
 
 
-def _dots_on(env: dict[str, str], tmp_path, instruction: str) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", DOTS_SCRIPT, instruction], env={**os.environ, **env,
-                         "NUMBA_CACHE_DIR": str(tmp_path)}, capture_output=True, text=True, timeout=600,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout.split("\n")
-
-
-@pytest.fixture(scope="module")
-def host_dots(tmp_path_factory) -> list[str]:
-    """This machine's GEMV results, compiled fresh in a process of their own (once)."""
-    return _dots_on({}, tmp_path_factory.mktemp("host"), "vpdpbusd")
-
-
-@pytest.mark.parametrize("isa", list(OTHER_CPUS))
-def test_block_dots_compiled_for_other_cpus_give_the_same_bits(isa, tmp_path, host_dots):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_block_dots_of_every_cpu_kind_give_the_same_bits(fmt, monkeypatch):
     """Machines differ (some AVX-512 VNNI, some AVX2 only, older ones neither) and numba
-    compiles for the host: the GEMV compiled for each other kind of CPU uses that CPU's
-    integer dot (no 512-bit registers) and returns this machine's results, every format:
-    bit for bit where the CPU fuses multiply-adds (the integer dots are exact and the float
-    steps alike), to an ulp or two where it has no FMA."""
-    env, instruction = OTHER_CPUS[isa]
-    there, here = _dots_on(env, tmp_path, instruction), host_dots  # fresh compiles on both sides
-    assert there[0] == isa and there[1] == "False" and there[2] == "True", there[:3]
-    if isa == "avx2":
-        assert there[3] == here[3]
-    else:
-        a, b = (np.frombuffer(bytes.fromhex("".join(x.split())), dtype=np.float32) for x in (there[3], here[3]))
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max())
+    compiles for the host: VNNI's vpdpbusd, AVX2's pmaddubsw + pmaddwd and the plain widening
+    multiplies give the same integers and the float steps are the same, so a row's dot is
+    equal bit for bit whichever integer dot the CPU has, every format (on CPUs with FMA;
+    without it the multiply-adds round twice)."""
+    t = quantized(3, 512, fmt, seed=3)
+    w = t.numpy()
+    v = np.random.default_rng(1).standard_normal(512).astype(np.float32)
+    qa = block_ir.quantize_acts(v, int(t.shape[2]))
+    isas = ["avx2", "generic"] + (["vnni"] if block_ir._isa() == "vnni" else [])
+    got = {}
+    for isa in isas:
+        run = _row_dot_for(isa, int(t.shape[2]), monkeypatch)
+        got[isa] = [run(w[r:r + 1], qa) for r in range(3)]
+        asm = run.inspect_asm(run.signatures[0])
+        assert ("vpdpbusd" in asm, "pmaddubsw" in asm) == (isa == "vnni", isa == "avx2"), isa
+    for isa in isas:
+        assert got[isa] == got["generic"], isa
+    expect = reference.gemv(quant.dequantize(t), acts(torch.from_numpy(v)), torch.zeros(3), torch.zeros(3))
+    torch.testing.assert_close(torch.tensor(got["generic"]), expect, atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

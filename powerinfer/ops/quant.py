@@ -21,7 +21,10 @@ Every kernel takes its block dots from `block_ir`: the activations quantized to 
 values (as llama.cpp does) and integer dot products (VNNI, AVX2 or plain, by the CPU),
 LLVM vector IR with lane accumulators across a row. The GEMV does four rows per step; the
 matmul (prefill, and any batch past a few tokens) four rows by four tokens, each (row,
-token) dot the GEMV's arithmetic; no float copy of a matrix is made.
+token) dot the GEMV's arithmetic; no float copy of a matrix is made. The dense kernels read
+Q4_0/Q4_1/Q8_0 matrices re-laid 16 rows at a time instead (ops/lanes.py, chosen once by
+`weights.weight_for`); this row layout serves the other formats, embeddings and the sparse
+kernels, which pick rows one at a time.
 Every kernel's reference twin is `dequantize` (the gguf package's) and the fp32 op on
 `block_ir.reference_acts(x)` (the activations rounded as the kernels round them).
 """

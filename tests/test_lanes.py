@@ -24,13 +24,15 @@ NONE = np.zeros(0, dtype=np.float32)
 def test_interleave_round_trips_and_keeps_the_bytes(fmt):
     t = quantized(48, 96, fmt, seed=5)
     L = lanes.interleave(t)
-    assert lanes.is_lanes(L) and not quant.is_quantized(L) and L.numel() == t.numel()
+    # the same bytes (Q4_K: plus its 6-bit scales and mins unpacked, 148 bytes per 144)
+    assert lanes.is_lanes(L) and not quant.is_quantized(L) and L.numel() == t.numel() * int(L.shape[3]) // int(t.shape[2])
     assert lanes.shape_of(L) == quant.shape_of(t) and lanes.format_of(L) == fmt
     assert torch.equal(lanes.deinterleave(L), t)
     # row 17's scale d sits at lane 1 of group 1; its first quant bytes in the first chunk
     g = L.numpy()[1, 0].reshape(-1)
     assert bytes(g[2:4]) == bytes(t.numpy()[17, 0, 0:2])
-    start, qs = lane_ir.quant_start(int(t.shape[2])), (4 if fmt == "Q4_1" else 2)
+    # (first chunk in the group block, first quant byte in the row's block)
+    start, qs = {"Q4_0": (32, 2), "Q4_1": (64, 4), "Q8_0": (32, 2), "Q4_K": (320, 16)}[fmt]
     q = t.numpy()[17, 0, qs : qs + 4] ^ (0x80 if fmt == "Q8_0" else 0)
     assert bytes(g[start + 4 : start + 8]) == bytes(q)
 
@@ -38,7 +40,7 @@ def test_interleave_round_trips_and_keeps_the_bytes(fmt):
 def test_only_lanes_formats_and_row_counts_fit():
     assert lanes.fits(quantized(32, 64, "Q4_0"))
     assert not lanes.fits(quantized(40, 64, "Q4_0"))  # rows not a multiple of 16
-    assert not lanes.fits(quantized(32, 256, "Q4_K"))
+    assert lanes.fits(quantized(32, 256, "Q4_K")) and not lanes.fits(quantized(32, 256, "Q6_K"))
     assert isinstance(weight_for(quantized(40, 64, "Q8_0")), QuantWeight)
     assert isinstance(weight_for(quantized(32, 64, "Q8_0")), LaneWeight)
     assert isinstance(weight_for(quantized(32, 64, "Q8_0"), kernels=False), QuantWeight)
@@ -49,6 +51,7 @@ def test_only_lanes_formats_and_row_counts_fit():
 @pytest.mark.parametrize("threads", [1, 2])
 def test_gemv_matches_reference(fmt, rows, cols, threads):
     t = quantized(rows, cols, fmt, seed=rows + cols)
+    cols = quant.shape_of(t)[1]  # K-quants: whole blocks of 256
     L = lanes.interleave(t)
     x = torch.randn(cols, generator=torch.Generator().manual_seed(1))
     b, res = torch.randn(rows), torch.randn(rows)
@@ -67,9 +70,10 @@ def test_batches_and_prefill_equal_the_gemv_bit_for_bit(fmt):
     """Eight, four, two and one vectors per pass: each row of a batch (decode) and of a
     prompt (prefill) is the GEMV's result on that vector alone."""
     t = quantized(64, 160, fmt, seed=9)
+    cols = quant.shape_of(t)[1]
     L = lanes.interleave(t)
     w = L.numpy()
-    X = torch.randn(15, 160, generator=torch.Generator().manual_seed(2))
+    X = torch.randn(15, cols, generator=torch.Generator().manual_seed(2))
     solo = np.zeros((15, 64), dtype=np.float32)
     for s in range(15):
         lanes.add_matvec_lanes(w, X[s].numpy(), NONE, solo[s], 2)
@@ -100,13 +104,13 @@ def test_integer_dots_of_every_cpu_kind_give_the_same_bits(fmt, monkeypatch):
     t = quantized(16, 512, fmt, seed=4)
     w = lanes.interleave(t).numpy()
     v = np.random.default_rng(3).standard_normal(512).astype(np.float32)
-    qa = block_ir.quantize_acts(v, int(t.shape[2]))
+    qa = block_ir.quantize_acts(v, int(t.shape[2]))  # records cut for the row format
     results = {}
     for isa in ("vnni", "avx2", "generic"):
         if isa == "vnni" and block_ir._isa() != "vnni":
             continue
         out = np.zeros(16, dtype=np.float32)
-        run = _gemv_for(isa, int(t.shape[2]), monkeypatch)
+        run = _gemv_for(isa, int(w.shape[3]), monkeypatch)
         run(w[0:1], qa, out)
         results[isa] = out
         asm = run.inspect_asm(run.signatures[0])
@@ -126,7 +130,7 @@ def test_linear_on_lanes_decode_batch_and_prompt(fmt):
     lin = Linear(t, torch.randn(48))
     assert isinstance(lin.w, LaneWeight) and lin.w.quant_format == fmt
     torch.testing.assert_close(lin.w.rows(), quant.dequantize(t))
-    X = torch.randn(20, 64)
+    X = torch.randn(20, quant.shape_of(t)[1])
     one = torch.cat([lin(X[s : s + 1]) for s in range(20)])
     assert torch.equal(lin(X[:5]), one[:5])
     assert torch.equal(lin(X), one)

@@ -257,7 +257,14 @@ class Model:
             if w is None:
                 return None
             if isinstance(w, quant.QuantParts):  # blocks of mixed formats: the torch route widens them
-                return place(w.widened(), on_tier) if on_tier else w
+                if on_tier:
+                    return place(w.widened(), on_tier)
+                relaid = [place(p, False) for p in w.parts]  # each part as lanes where it can be
+                if release is not None:
+                    for p, r in zip(w.parts, relaid):
+                        if r.untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
+                            release(p)
+                return quant.QuantParts(relaid, w.shape, w.formats)
             out = place(w, on_tier, lookup)
             if release is not None and out.untyped_storage().data_ptr() != w.untyped_storage().data_ptr():
                 release(w)

@@ -78,11 +78,36 @@ def _isa() -> str:
 # ---------------------------------------------------------------- activations
 
 
+def _strict(op: str):
+    """An intrinsic float32 `op` ("fdiv" or "fmul") that stays IEEE in any caller. numba
+    compiles a function called from a fastmath kernel with that kernel's flags (then reuses
+    that compile in the process, while its on-disk cache holds a strict one), and its
+    fastmath pass marks every float op without flags "fast": amax / 127 became amax times a
+    rounded 1/127 and moved some activations' scales by an ulp, so a prompt's dots differed
+    from the same tokens' decode dots depending on which ran first. An op that carries a flag
+    is left alone, and "contract" has nothing to fuse with here."""
+
+    @intrinsic
+    def strict(typingctx, a, b):
+        if a != types.float32 or b != types.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            return getattr(builder, op)(args[0], args[1], flags=_FUSE)
+
+        return types.float32(types.float32, types.float32), codegen
+
+    return strict
+
+
+_div32, _mul32 = _strict("fdiv"), _strict("fmul")
+
+
 @njit
 def _quantize_into(v, bb, out):
     """v's records for weight blocks of bb bytes into out (uint8, blocks * record bytes).
-    Strict IEEE arithmetic (no fastmath, not inlined into fastmath callers): a value on a
-    rounding boundary rounds as in `reference_acts`."""
+    Its float steps are strict IEEE in every caller (`_strict`): a value on a rounding
+    boundary rounds as in `reference_acts`."""
     P = 256 if bb == 144 or bb == 176 or bb == 210 else 32
     n = P // 32
     rec = 72 * n  # P + 32n + 4n + 4n = 72n
@@ -93,19 +118,19 @@ def _quantize_into(v, bb, out):
         amax = np.float32(0.0)
         for j in range(32):
             amax = max(amax, abs(v[32 * blk + j]))
-        d = amax / np.float32(127.0)
-        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+        d = _div32(amax, np.float32(127.0))
+        inv = _div32(np.float32(127.0), amax) if amax > 0 else np.float32(0.0)
         total = 0
         for g in range(8):
             gsum = 0
             for j in range(4):
-                q = np.int32(np.rint(v[32 * blk + 4 * g + j] * inv))
+                q = np.int32(np.rint(_mul32(v[32 * blk + 4 * g + j], inv)))
                 q8[base + 32 * k + 4 * g + j] = q
                 gsum += q
             i32[(base + P) // 4 + 8 * k + g] = gsum
             total += gsum
         f32[(base + P + 32 * n) // 4 + k] = d
-        f32[(base + P + 36 * n) // 4 + k] = d * np.float32(total)
+        f32[(base + P + 36 * n) // 4 + k] = _mul32(d, np.float32(total))
 
 
 @njit

@@ -20,6 +20,10 @@ plain paths turn them back to int8 first.
 Formats: Q4_0 (18-byte blocks), Q4_1 (20), Q8_0 (34). A group block (16 rows' block b):
 fp16 d[16], (Q4_1) fp16 m[16], then the quants in chunks of 64 bytes, chunk c holding row
 r's quant bytes 4c..4c+3 at 4r (Q4: low nibbles weights 4c+i, high nibbles 16+4c+i).
+Q4_K (a 148 x 16-byte group block per super-block of 256): fp16 d[16], dmin[16], the 8
+sub-blocks' scales as bytes sc[8][16] and mins m[8][16] (unpacked from their 6 bits at
+load), then pair p's 32 quant bytes per row in 8 chunks (low nibbles sub-block 2p, high
+2p + 1); per sub-block one conversion and two multiply-adds (scale, min) for 16 rows.
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ from numba.extending import intrinsic
 from .block_ir import _F32, _FUSE, _I8, _I16, _I32, _c64, _call, _isa, _load, _splat
 
 LANES = 16  # rows per group: one 512-bit vector of int32 / fp32
-GROUP_BYTES = {18: 288, 20: 320, 34: 544}  # Q4_0, Q4_1, Q8_0 block bytes -> a group block's
+# the 4-D array's last axis (a group block's bytes / 16) -> the row format's block bytes:
+# Q4_0, Q4_1, Q8_0 keep theirs; Q4_K (144) takes 148, its 6-bit scales and mins unpacked
+LAST_AXIS = {18: 18, 20: 20, 34: 34, 148: 144}
+GROUP_BYTES = {k: 16 * k for k in LAST_AXIS}
 _VF16, _VI16, _VB64 = ir.VectorType(_F32, 16), ir.VectorType(_I32, 16), ir.VectorType(_I8, 64)
 _VB32 = ir.VectorType(_I8, 32)
 
@@ -90,14 +97,68 @@ def _idot16(builder: ir.IRBuilder, isa: str, acc: ir.Value, w: ir.Value, a: ir.V
     return acc
 
 
+def _small_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: list[ir.Value], bb: int,
+                 isa: str) -> None:
+    """One group block of 32 weights per row (Q4_0, Q4_1, Q8_0) into the V accumulators: the
+    16 rows' int32 dots (bias taken off in the start value), then acc += (isum * da) * d
+    (and + m * sa for Q4_1)."""
+    signed = bb == 34 and isa != "vnni"
+    bias = 8 if bb == 18 else (128 if bb == 34 and isa == "vnni" else 0)
+    dw = _half_lanes(builder, gp, 0)
+    mw = _half_lanes(builder, gp, 32) if bb == 20 else None
+    chunks = _chunks(builder, gp, bb, isa)
+    for j in range(len(recs)):
+        rec = recs[j]
+        start = ir.Constant(_VI16, [0] * LANES)
+        if bias:  # (q - bias) . a = q . a - bias * (the block's activation sum)
+            total = _call(builder, "llvm.vector.reduce.add.v8i32", _I32,
+                          [_load(builder, rec, 32, ir.VectorType(_I32, 8))])
+            start = _splat(builder, builder.mul(total, ir.Constant(_I32, -bias)), LANES)
+        isum = start
+        for q, off in chunks:
+            a4 = _splat(builder, _load(builder, rec, off, _I32), LANES)
+            isum = _idot16(builder, isa, isum, q, builder.bitcast(a4, _VB64), signed)
+        da = _splat(builder, _load(builder, rec, 64, _F32), LANES)
+        xa = builder.fmul(builder.sitofp(isum, _VF16), da, flags=_FUSE)
+        total = _call(builder, "llvm.fmuladd.v16f32", _VF16, [xa, dw, builder.load(accs[j])])
+        if mw is not None:  # m x the block's activation sum (fp32)
+            sa = _splat(builder, _load(builder, rec, 68, _F32), LANES)
+            total = _call(builder, "llvm.fmuladd.v16f32", _VF16, [mw, sa, total])
+        builder.store(total, accs[j])
+
+
+def _q4k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: list[ir.Value], isa: str) -> None:
+    """One Q4_K group block into the V accumulators: per sub-block j, the 16 rows' int32 dots
+    with vector v's 32 activations, then acc += (isum * da_j) * (d sc_j) and
+    acc += (dmin m_j) * (-sa_j) (sa_j: the activations' fp32 32-sum)."""
+    d, dmin = _half_lanes(builder, gp, 0), _half_lanes(builder, gp, 32)
+    vb16 = ir.VectorType(_I8, 16)
+    for p in range(4):
+        raw = [_load(builder, gp, 320 + 512 * p + 64 * c, _VB64) for c in range(8)]
+        for half in range(2):
+            j = 2 * p + half
+            sc = builder.fmul(builder.uitofp(_load(builder, gp, 64 + 16 * j, vb16), _VF16), d, flags=_FUSE)
+            mn = builder.fmul(builder.uitofp(_load(builder, gp, 192 + 16 * j, vb16), _VF16), dmin, flags=_FUSE)
+            qs = [builder.lshr(q, ir.Constant(_VB64, [4] * 64)) if half else builder.and_(q, ir.Constant(_VB64, [15] * 64))
+                  for q in raw]
+            for rec, acc in zip(recs, accs):
+                isum = ir.Constant(_VI16, [0] * LANES)
+                for c, q in enumerate(qs):
+                    a4 = _splat(builder, _load(builder, rec, 32 * j + 4 * c, _I32), LANES)
+                    isum = _idot16(builder, isa, isum, q, builder.bitcast(a4, _VB64), False)
+                da = _splat(builder, _load(builder, rec, 512 + 4 * j, _F32), LANES)
+                nsa = _splat(builder, builder.fneg(_load(builder, rec, 544 + 4 * j, _F32)), LANES)
+                xa = builder.fmul(builder.sitofp(isum, _VF16), da, flags=_FUSE)
+                total = _call(builder, "llvm.fmuladd.v16f32", _VF16, [xa, sc, builder.load(acc)])
+                builder.store(_call(builder, "llvm.fmuladd.v16f32", _VF16, [mn, nsa, total]), acc)
+
+
 def _lane_dots(bb: int, V: int):
     """An intrinsic (group, nb, acts, outs): for the 16 rows of the group block array at
     address `group` (nb group blocks of GROUP_BYTES[bb]) and V activation records (addresses
     `acts`, `block_ir.quantize_acts` for bb), adds the 16 dots of vector j to the 16 fp32 at
     outs[j]."""
     G, isa = GROUP_BYTES[bb], _isa()
-    signed = bb == 34 and isa != "vnni"
-    bias = 8 if bb == 18 else (128 if bb == 34 and isa == "vnni" else 0)
 
     @intrinsic
     def lane_dots(typingctx, group, nb, acts, outs):
@@ -112,27 +173,11 @@ def _lane_dots(bb: int, V: int):
             with cgutils.for_range(builder, nb_v) as loop:
                 b = loop.index
                 gp = builder.gep(gbase, [builder.mul(b, _c64(G))])
-                dw = _half_lanes(builder, gp, 0)
-                mw = _half_lanes(builder, gp, 32) if bb == 20 else None
-                chunks = _chunks(builder, gp, bb, isa)
-                for j in range(V):
-                    rec = builder.gep(act_ptrs[j], [builder.mul(b, _c64(72))])
-                    start = ir.Constant(_VI16, [0] * LANES)
-                    if bias:  # (q - bias) . a = q . a - bias * (the block's activation sum)
-                        total = _call(builder, "llvm.vector.reduce.add.v8i32", _I32,
-                                      [_load(builder, rec, 32, ir.VectorType(_I32, 8))])
-                        start = _splat(builder, builder.mul(total, ir.Constant(_I32, -bias)), LANES)
-                    isum = start
-                    for q, off in chunks:
-                        a4 = _splat(builder, _load(builder, rec, off, _I32), LANES)
-                        isum = _idot16(builder, isa, isum, q, builder.bitcast(a4, _VB64), signed)
-                    da = _splat(builder, _load(builder, rec, 64, _F32), LANES)
-                    xa = builder.fmul(builder.sitofp(isum, _VF16), da, flags=_FUSE)
-                    total = _call(builder, "llvm.fmuladd.v16f32", _VF16, [xa, dw, builder.load(accs[j])])
-                    if mw is not None:  # m x the block's activation sum (fp32)
-                        sa = _splat(builder, _load(builder, rec, 68, _F32), LANES)
-                        total = _call(builder, "llvm.fmuladd.v16f32", _VF16, [mw, sa, total])
-                    builder.store(total, accs[j])
+                recs = [builder.gep(ap, [builder.mul(b, _c64(576 if bb == 148 else 72))]) for ap in act_ptrs]
+                if bb == 148:
+                    _q4k_block(builder, gp, recs, accs, isa)
+                else:
+                    _small_block(builder, gp, recs, accs, bb, isa)
             for j in range(V):
                 out = builder.bitcast(builder.inttoptr(builder.extract_value(outs_t, j), i8p), _VF16.as_pointer())
                 prev = builder.load(out, align=4)
@@ -144,13 +189,11 @@ def _lane_dots(bb: int, V: int):
     return lane_dots
 
 
-FORMATS_BB = (18, 20, 34)
-
-
 def _dispatch(V: int):
     """A numba function (bb, group, nb, acts, outs) running the V-vector lane dots of
-    format bb: a chain of branches, each intrinsic compiled for its format alone."""
-    d18, d20, d34 = (_lane_dots(bb, V) for bb in FORMATS_BB)
+    format bb (the array's last axis): a chain of branches, each intrinsic compiled for its
+    format alone."""
+    d18, d20, d34, d148 = (_lane_dots(bb, V) for bb in LAST_AXIS)
 
     @njit(inline="always")
     def dots(bb, group, nb, acts, outs):
@@ -158,8 +201,10 @@ def _dispatch(V: int):
             d18(group, nb, acts, outs)
         elif bb == 20:
             d20(group, nb, acts, outs)
-        else:
+        elif bb == 34:
             d34(group, nb, acts, outs)
+        else:
+            d148(group, nb, acts, outs)
 
     return dots
 

@@ -7,7 +7,9 @@ Same bytes as the file's blocks, re-ordered once at load (llama.cpp repacks Q4_0
 AVX-512 the same way): a block dot then costs one integer instruction per four quants of
 16 rows, with the conversion and the fp32 multiply-add shared by the 16 (`lane_ir`).
 
-Formats: Q4_0, Q4_1, Q8_0 with rows a multiple of 16. Other formats and shapes stay in
+Formats: Q4_0, Q4_1, Q8_0, Q4_K with rows a multiple of 16 (Q4_K's group block is 148 x 16
+bytes per 16 rows and 256 weights, the rows' 144 x 16 plus the 6-bit scales and mins unpacked
+to bytes: 2.8% more). Other formats and shapes stay in
 `quant`'s row layout, as do matrices whose rows are picked one at a time (the sparse FFN's
 rows, embeddings). Every kernel's reference twin: `dequantize` (back to rows, then gguf's)
 and the fp32 op on `block_ir.reference_acts(x)`.
@@ -21,9 +23,9 @@ from numba import njit, prange
 
 from . import quant
 from .block_ir import quantize_acts, quantize_acts_rows
-from .lane_ir import GROUP_BYTES, LANES, lane_dots1, lane_dots2, lane_dots4, lane_dots8, quant_start
+from .lane_ir import LAST_AXIS, LANES, lane_dots1, lane_dots2, lane_dots4, lane_dots8, quant_start
 
-FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
 
 
 def fits(t: torch.Tensor) -> bool:
@@ -34,21 +36,68 @@ def fits(t: torch.Tensor) -> bool:
 
 def is_lanes(t: torch.Tensor) -> bool:
     """Whether `t` is a lanes matrix."""
-    return t.dtype == torch.uint8 and t.dim() == 4 and int(t.shape[2]) == LANES and int(t.shape[3]) in GROUP_BYTES
+    return t.dtype == torch.uint8 and t.dim() == 4 and int(t.shape[2]) == LANES and int(t.shape[3]) in LAST_AXIS
 
 
 def format_of(t: torch.Tensor) -> str:
-    return quant.BLOCK_BYTES[int(t.shape[3])]
+    return quant.BLOCK_BYTES[LAST_AXIS[int(t.shape[3])]]
 
 
 def shape_of(t: torch.Tensor) -> tuple[int, int]:
     """The (rows, cols) of the matrix a lanes tensor holds."""
-    return int(t.shape[0]) * LANES, int(t.shape[1]) * 32
+    return int(t.shape[0]) * LANES, int(t.shape[1]) * quant.FORMATS[format_of(t)][0]
+
+
+def _q4k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 sub-blocks' 6-bit scales and mins from Q4_K's 12 scale bytes (..., 12) -> two
+    (..., 8) uint8 arrays (ggml's get_scale_min_k4)."""
+    lo, mid, hi = b[..., 0:4], b[..., 4:8], b[..., 8:12]
+    sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1)
+    mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def _q4k_scale_bytes(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """`_q4k_scales`' inverse: (..., 8) scales and mins -> the 12 bytes."""
+    lo = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
+    mid = mn[..., 0:4] | ((mn[..., 4:8] >> 4) << 6)
+    hi = (sc[..., 4:8] & 15) | ((mn[..., 4:8] & 15) << 4)
+    return np.concatenate([lo, mid, hi], axis=-1).astype(np.uint8)
+
+
+def _interleave_q4k(t: torch.Tensor) -> torch.Tensor:
+    rows, nb = int(t.shape[0]), int(t.shape[1])
+    G = rows // LANES
+    src = t.numpy().reshape(G, LANES, nb, 144).transpose(0, 2, 1, 3)  # (G, nb, 16, 144)
+    out = np.empty((G, nb, LANES * 148), dtype=np.uint8)
+    out[:, :, 0:32] = src[:, :, :, 0:2].reshape(G, nb, 32)
+    out[:, :, 32:64] = src[:, :, :, 2:4].reshape(G, nb, 32)
+    sc, mn = _q4k_scales(src[:, :, :, 4:16])  # (G, nb, 16, 8)
+    out[:, :, 64:192] = sc.transpose(0, 1, 3, 2).reshape(G, nb, 128)
+    out[:, :, 192:320] = mn.transpose(0, 1, 3, 2).reshape(G, nb, 128)
+    qs = src[:, :, :, 16:144].reshape(G, nb, LANES, 32, 4)  # (pair p, chunk c) = 8p + c
+    out[:, :, 320:] = qs.transpose(0, 1, 3, 2, 4).reshape(G, nb, -1)
+    return torch.from_numpy(out.reshape(G, nb, LANES, 148))
+
+
+def _deinterleave_q4k(t: torch.Tensor) -> torch.Tensor:
+    G, nb = int(t.shape[0]), int(t.shape[1])
+    src = t.numpy().reshape(G, nb, LANES * 148)
+    out = np.empty((G, LANES, nb, 144), dtype=np.uint8)
+    for k in (0, 2):
+        out[:, :, :, k : k + 2] = src[:, :, 16 * k : 16 * k + 32].reshape(G, nb, LANES, 2).transpose(0, 2, 1, 3)
+    sc = src[:, :, 64:192].reshape(G, nb, 8, LANES).transpose(0, 3, 1, 2)  # (G, 16, nb, 8)
+    mn = src[:, :, 192:320].reshape(G, nb, 8, LANES).transpose(0, 3, 1, 2)
+    out[:, :, :, 4:16] = _q4k_scale_bytes(sc, mn)
+    out[:, :, :, 16:] = src[:, :, 320:].reshape(G, nb, 32, LANES, 4).transpose(0, 3, 1, 2, 4).reshape(G, LANES, nb, 128)
+    return torch.from_numpy(out.reshape(G * LANES, nb, 144))
 
 
 def interleave(t: torch.Tensor) -> torch.Tensor:
-    """Row blocks (rows, nb, bb) -> lanes (rows / 16, nb, 16, bb): a new array."""
+    """Row blocks (rows, nb, bb) -> lanes (rows / 16, nb, 16, last axis): a new array."""
     bb = int(t.shape[2])
+    if bb == 144:
+        return _interleave_q4k(t)
     rows, nb = int(t.shape[0]), int(t.shape[1])
     src = t.numpy().reshape(rows // LANES, LANES, nb, bb).transpose(0, 2, 1, 3)  # (G, nb, 16, bb) view
     out = np.empty((rows // LANES, nb, LANES * bb), dtype=np.uint8)
@@ -66,6 +115,8 @@ def interleave(t: torch.Tensor) -> torch.Tensor:
 def deinterleave(t: torch.Tensor) -> torch.Tensor:
     """Lanes -> row blocks (rows, nb, bb): `interleave`'s inverse (tests and tools)."""
     G, nb, _, bb = (int(s) for s in t.shape)
+    if bb == 148:
+        return _deinterleave_q4k(t)
     src = t.numpy().reshape(G, nb, LANES * bb)
     out = np.empty((G, LANES, nb, bb), dtype=np.uint8)
     scales = 4 if bb == 20 else 2
@@ -84,6 +135,12 @@ def dequantize(t: torch.Tensor) -> torch.Tensor:
 
 
 @njit(inline="always")
+def _row_bytes(last):
+    # the row format's block bytes (what the activation records are cut for)
+    return 144 if last == 148 else last
+
+
+@njit(inline="always")
 def _group(w, g):
     return w.ctypes.data + g * w.strides[0]
 
@@ -95,20 +152,22 @@ def _at(X, s, g):
 
 
 @njit(inline="always")
-def _check(w, X):
+def _check(w, V, X):
     if w.strides[3] != 1 or w.strides[2] != w.shape[3] or w.strides[1] != w.shape[2] * w.shape[3]:
         raise ValueError("lane dots need contiguous group blocks")
     if X.strides[X.ndim - 1] != 4:
         raise ValueError("lane dots write contiguous rows")
+    if V.shape[V.ndim - 1] != w.shape[1] * (256 if w.shape[3] == 148 else 32) or X.shape[X.ndim - 1] != w.shape[0] * 16:
+        raise ValueError("lane dots: vector or output length does not match the matrix")
 
 
 @njit(parallel=True, fastmath=True, cache=True)
 def add_matvec_lanes(w, v, b, x, threads):
     """x += W v (+ b) for W in lanes: each thread takes groups of 16 rows (`lane_ir`).
     `threads` is unused: the signature is the panel kernels'."""
-    _check(w, x)
+    _check(w, v, x)
     G, nb, bb = w.shape[0], w.shape[1], w.shape[3]
-    qa = quantize_acts(v, bb)
+    qa = quantize_acts(v, _row_bytes(bb))
     for g in prange(G):
         lane_dots1(bb, _group(w, g), nb, (qa.ctypes.data,), (x.ctypes.data + 4 * LANES * g,))
     if b.shape[0] > 0:
@@ -149,8 +208,8 @@ def _add_dots(w, QA, X):
 def add_matvec_lanes_batch(w, V, b, X, threads):
     """X[s] += W V[s] (+ b) for W in lanes, a batch: the vectors quantized once, then
     `_add_dots`; each row equals `add_matvec_lanes` on V[s]."""
-    _check(w, X)
-    _add_dots(w, quantize_acts_rows(V, w.shape[3]), X)
+    _check(w, V, X)
+    _add_dots(w, quantize_acts_rows(V, _row_bytes(w.shape[3])), X)
     if b.shape[0] > 0:
         for s in range(X.shape[0]):
             for k in range(X.shape[1]):
@@ -166,6 +225,6 @@ def matmul(t: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -
     if xs.shape[0] == 1:
         add_matvec_lanes(w, xs[0], np.zeros(0, dtype=np.float32), out[0], 0)
     else:
-        _add_dots(w, quantize_acts_rows(xs, w.shape[3]), out)
+        _add_dots(w, quantize_acts_rows(xs, _row_bytes(w.shape[3])), out)
     res = torch.from_numpy(out)
     return res if bias is None else res.add_(bias)

@@ -84,8 +84,7 @@ class Linear:
         a sequence's result does not depend on the batch)."""
         xs = x.float().contiguous().numpy()
         if isinstance(self.w, PartsWeight):  # each part's rows as a one-format matrix's, side by side
-            parts = self.w.parts.parts
-            y = torch.cat([_each_row(p.numpy(), p.shape[0], xs, cpu.NO_BIAS, None) for p in parts], dim=1)
+            y = torch.cat([_each_row(k, rows, xs, cpu.NO_BIAS, None) for k, rows in self.w.part_kernels], dim=1)
             y = y if self.bias is None else y + self.bias
             return y if residual is None else y + residual
         assert self.w.kernel is not None, "each_row needs a weight the CPU kernels read"

@@ -168,7 +168,7 @@ def in_features(w):  # pragma: no cover - only its numba overload runs
 @overload(in_features)
 def _in_features(w):
     if w.ndim == 4:
-        return lambda w: w.shape[1] * 32
+        return lambda w: w.shape[1] * (256 if w.shape[3] == 148 else 32)  # Q4_K lanes: blocks of 256
     if w.ndim == 3 and w.dtype == types.uint8:
         return lambda w: w.shape[1] * (32 if w.shape[2] < 144 else 256)  # K-quants: blocks of 256
     if w.ndim == 3:

@@ -315,13 +315,13 @@ class QuantParts:
     """Row blocks of different GGUF formats stacked as one matrix, each part in its own blocks:
     a fused QKV whose V rows are Q6_K beside Q4_K q and k rows, as Q4_K_M files store them."""
 
-    def __init__(self, parts: list[torch.Tensor]):
+    def __init__(self, parts: list[torch.Tensor], shape: tuple[int, int] | None = None,
+                 formats: list[str] | None = None):
+        """`parts`: row blocks (rows, blocks, bytes); or, with the `shape` and `formats` of
+        the matrix they came from, the same parts re-laid (ops/lanes.py) where they allow it."""
         self.parts = parts
-        self.shape = (sum(shape_of(p)[0] for p in parts), shape_of(parts[0])[1])
-
-    @property
-    def formats(self) -> list[str]:
-        return [format_of(p) for p in self.parts]
+        self.shape = shape or (sum(shape_of(p)[0] for p in parts), shape_of(parts[0])[1])
+        self.formats = formats or [format_of(p) for p in parts]
 
     def widened(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The matrix as one float tensor (for the torch route and the packed format)."""
@@ -351,12 +351,6 @@ def matrix_shape(t: torch.Tensor | QuantParts) -> tuple[int, ...]:
     if isinstance(t, QuantParts):
         return t.shape
     return shape_of(t) if is_quantized(t) else tuple(t.shape)
-
-
-def matmul_parts(w: QuantParts, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (T, cols) @ W.T (+ bias) for `QuantParts`: each part's rows by `matmul`."""
-    out = torch.cat([matmul(p, x) for p in w.parts], dim=1)
-    return out if bias is None else out.add_(bias)
 
 
 def widen(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -130,9 +130,9 @@ class LaneWeight(Weight):
 
 class PartsWeight(Weight):
     """GGUF blocks of mixed formats stacked by rows (`quant.QuantParts`: a Q4_K_M file's fused
-    QKV), each part in its own blocks. No single array for the fused kernels (`kernel` is
-    None): `Linear.each_row` runs each part's rows as a one-format block matrix's, and
-    `matmul` (prompts) `quant.matmul_parts`."""
+    QKV), each part in its own blocks (as lanes where the part allows it). No single array for
+    the fused kernels (`kernel` is None): `Linear.each_row` runs each part's rows as a
+    one-format matrix's (`part_kernels`), and `matmul` (prompts) each part's matmul."""
 
     format = "parts"
 
@@ -140,19 +140,28 @@ class PartsWeight(Weight):
         super().__init__(parts.parts[0], parts.shape, None)
         self.parts = parts
         self.quant_format = "+".join(parts.formats)
+        # (kernel array, rows) per part, for the one-token and batched GEMV
+        self.part_kernels = [(p.numpy(), _rows_of(p)) for p in parts.parts]
 
     @property
     def dtype(self) -> torch.dtype:
         return torch.uint8
 
-    def rows(self) -> torch.Tensor:
-        return torch.cat([quant.dequantize(p) for p in self.parts.parts])  # tests and tools only
+    def rows(self) -> torch.Tensor:  # tests and tools only
+        return torch.cat([lanes.dequantize(p) if lanes.is_lanes(p) else quant.dequantize(p) for p in self.parts.parts])
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return quant.matmul_parts(self.parts, x.float(), bias)
+        x = x.float()
+        out = torch.cat([lanes.matmul(p, x) if lanes.is_lanes(p) else quant.matmul(p, x) for p in self.parts.parts],
+                        dim=1)
+        return out if bias is None else out.add_(bias)
 
     def tensors(self) -> list[torch.Tensor]:
         return list(self.parts.parts)
+
+
+def _rows_of(t: torch.Tensor) -> int:
+    return lanes.shape_of(t)[0] if lanes.is_lanes(t) else quant.shape_of(t)[0]
 
 
 FORMATS: dict[str, type[Weight]] = {"rows": RowWeight, "panels": PanelWeight, "quant": QuantWeight,

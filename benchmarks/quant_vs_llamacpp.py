@@ -4,7 +4,8 @@ the same run).
 
     python benchmarks/quant_vs_llamacpp.py [--files A.gguf,B.gguf] [--rounds 3] [--dtype native]
 
-Without --files it makes Q4_0, Q8_0 and F16 files from the embedded Q4_1 model with
+Decode is measured as llama-bench measures it (tg: `--gen` tokens from an empty context),
+prefill as its pp (`--prompt` tokens). Without --files it makes Q4_0, Q8_0 and F16 files from the embedded Q4_1 model with
 llama.cpp's own `llama-quantize --allow-requantize` (../shared/tools/llama-cpp.sh builds it)
 into --dir, and runs those and the Q4_1 file itself. Each round runs llama-bench
 (`-p 128 -n 64 -t 2 -r 1`) and then ours in a fresh process (so that its peak RSS is its
@@ -36,7 +37,10 @@ def ours(path: str, dtype: str, threads: int, prompt: int, gen: int) -> dict:
     ids = [int(i) % lm.args.vocab_size for i in range(100, 100 + prompt)]
     decode_round(lm.model, ids[:8], 4)  # compile and warm up: short prompts (batched GEMV)
     decode_round(lm.model, ids, 4)  # and the measured prompt's path (tiled GEMM past 16 tokens)
-    pp, tg = decode_round(lm.model, ids, gen)
+    pp, _ = decode_round(lm.model, ids, 1)
+    # decode as llama-bench's tg test runs it: `gen` tokens from an empty context (here after
+    # a one-token prompt), not after the prompt (its pp and tg are separate tests)
+    _, tg = decode_round(lm.model, ids[:1], gen)
     # bytes read per token: every matrix once; the embedding table only where it is the LM head
     # (a tied head re-laid as lanes is its own copy, and lookups read a row)
     m = lm.model

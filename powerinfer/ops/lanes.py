@@ -1,15 +1,15 @@
 """GGUF blocks re-laid 16 rows at a time for the dense kernels (decode GEMV, batches, prefill).
 
-A lanes matrix is a uint8 array (rows / 16, blocks per row, 16, block bytes): per group of
-16 rows and block b, one group block of 16 x block bytes laid out for `lane_ir` (fp16
+A lanes matrix is a uint8 array (rows / 16, blocks per row, 16, last axis): per group of 16
+rows and block b, one group block of 16 x last-axis bytes laid out for `lane_ir` (fp16
 scales of the 16 rows side by side, then the quants in 64-byte chunks, four bytes per row).
 Same bytes as the file's blocks, re-ordered once at load (llama.cpp repacks Q4_0 for
 AVX-512 the same way): a block dot then costs one integer instruction per four quants of
 16 rows, with the conversion and the fp32 multiply-add shared by the 16 (`lane_ir`).
 
-Formats: Q4_0, Q4_1, Q8_0, Q4_K with rows a multiple of 16 (Q4_K's group block is 148 x 16
-bytes per 16 rows and 256 weights, the rows' 144 x 16 plus the 6-bit scales and mins unpacked
-to bytes: 2.8% more). Other formats and shapes stay in
+Formats: Q4_0, Q4_1, Q8_0 (last axis = their block bytes) and Q4_K (148: its 144 bytes per
+block with the 6-bit scales and mins unpacked to bytes, 2.8% more), with rows a multiple of
+16. Other formats (Q6_K: tried, slower than its row kernel; Q5_*) and shapes stay in
 `quant`'s row layout, as do matrices whose rows are picked one at a time (the sparse FFN's
 rows, embeddings). Every kernel's reference twin: `dequantize` (back to rows, then gguf's)
 and the fp32 op on `block_ir.reference_acts(x)`.

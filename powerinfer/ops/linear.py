@@ -1,8 +1,10 @@
 """`Linear`: y = W x + b with fp32 activations and W a typed weight (ops/weights.py).
 
-Decode (one token, CPU) runs the numba GEMV on the weight's kernel array; batches (prefill)
-use torch's GEMM on the weight's rows, in fp32 on the CPU, where native bf16/fp16 GEMM is
-several times slower than widening the weights first, and in the weight dtype on CUDA.
+Decode (one token, CPU) runs the numba GEMV on the weight's kernel array, a few tokens the
+batched GEMV (each row as the one-token GEMV computes it); batches (prefill) go through the
+weight's own `matmul`: the block kernels for GGUF blocks (rows or lanes), torch's GEMM for
+float weights, in fp32 on the CPU, where native bf16/fp16 GEMM is several times slower than
+widening the weights first, and in the weight dtype on CUDA.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ A `Weight` is an (out, in) matrix stored one way:
   works; on the CPU the numba kernels read it too);
 * `PanelWeight`: half rows re-laid in column panels (ops/panels.py) for the decode GEMV;
 * `QuantWeight`: GGUF quantized blocks as they are in the file (ops/quant.py);
-* `LaneWeight`: GGUF blocks of Q4_0/Q4_1/Q8_0 re-laid 16 rows at a time (ops/lanes.py) for
-  the dense kernels, the same bytes in another order.
+* `LaneWeight`: GGUF blocks of Q4_0/Q4_1/Q8_0/Q4_K re-laid 16 rows at a time (ops/lanes.py)
+  for the dense kernels, the same bytes in another order (Q4_K's scales unpacked).
 
 What callers use is the same for every format: `kernel` (what the numba kernels take; the
 kernels choose their code path from its numpy type and rank, see panels.matvec_into),
@@ -109,7 +109,8 @@ class QuantWeight(Weight):
 
 
 class LaneWeight(Weight):
-    """GGUF blocks re-laid 16 rows at a time (rows / 16, blocks, 16, block bytes), ops/lanes.py."""
+    """GGUF blocks re-laid 16 rows at a time (rows / 16, blocks, 16, group block bytes / 16),
+    ops/lanes.py."""
 
     format = "lanes"
 

@@ -47,8 +47,8 @@ run: setup
 # Two test processes (-n 2): the suite is dominated by numba's single-threaded compiles.
 # OMP_WAIT_POLICY=PASSIVE keeps each process's idle OpenMP threads from spinning on the
 # cores the other one needs (2-core CI: 10 min 23 s in one process, 6 min 34 s in two).
-# worksteal (and the longest tests first, tests/conftest.py) keeps both busy to the end
-# (9:56 -> 9:18 for worksteal alone, cold numba cache, 2026-12-03).
+# worksteal keeps both busy to the end (9:56 -> 9:18, cold numba cache, 2026-12-03; running
+# the modules with the longest tests first as well made it slower: 10:08).
 test: setup
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist worksteal
 

@@ -71,16 +71,3 @@ def chat_model_dir(tmp_path_factory, smollm2_path):
     load_tokenizer(smollm2_path).hf.save_pretrained(path)
     return path
 
-
-# The modules holding the suite's longest tests (25-60 s each on 2 cores, measured with
-# --durations: CLI subprocesses and first compiles) run first, each module's tests kept
-# together for its module-scoped fixtures, so that the two xdist workers (`--dist
-# worksteal`) end together on short tests instead of one finishing a long test alone.
-# Only the order changes; a module not found is ignored.
-SLOW_FIRST = ("test_packed.py", "test_bench.py", "test_solve.py", "test_bad_input_corpus.py", "test_train.py",
-              "test_cli_errors.py", "test_server.py", "test_profile.py", "test_dispatch.py")
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: the rest keep their order

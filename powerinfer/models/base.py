@@ -259,12 +259,12 @@ class Model:
             if isinstance(w, quant.QuantParts):  # blocks of mixed formats: the torch route widens them
                 if on_tier:
                     return place(w.widened(), on_tier)
-                relaid = [place(p, False) for p in w.parts]  # each part as lanes where it can be
-                if release is not None:
-                    for p, r in zip(w.parts, relaid):
-                        if r.untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
-                            release(p)
-                return quant.QuantParts(relaid, w.shape, w.formats)
+                # each part as lanes where it can be
+                return quant.QuantParts([moved(p, False, False) for p in w.parts], w.shape, w.formats)
+            return moved(w, on_tier, lookup)
+
+        def moved(w: torch.Tensor, on_tier: bool, lookup: bool) -> torch.Tensor:
+            """`place(w)`, releasing w's file pages when it was copied."""
             out = place(w, on_tier, lookup)
             if release is not None and out.untyped_storage().data_ptr() != w.untyped_storage().data_ptr():
                 release(w)

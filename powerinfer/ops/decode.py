@@ -15,14 +15,12 @@ activations and the KV cache are fp32. Empty bias arrays mean no bias.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange, types
+from numba import njit, prange
 from numba.extending import overload
 
 from .criterion import GATE
 from .cpu import _act, attend_head, dot4, gated_value, rms_norm, row_dot, write_kv
-from .panels import add_matvec_panels, in_features, matvec_into, out_features
-from .lanes import add_matvec_lanes
-from .quant import add_matvec_q
+from .panels import in_features, matvec_into, out_features
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -78,11 +76,12 @@ def _gated_hidden(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, 
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _gated_hidden_panels(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):
-    """_gated_hidden for w_in in panels: the panel GEMV of all gate and up rows first (a
-    neuron's two dots finish only at the last panel), then the neurons' values."""
+def _gated_hidden_pre(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):
+    """_gated_hidden for w_in in panels, GGUF blocks or lanes: the GEMV of all gate and up
+    rows first (`panels.matvec_into` picks the kernel; a panel GEMV finishes a neuron's two
+    dots only at the last panel), then the neurons' values."""
     pre = np.zeros(2 * n_ff, dtype=np.float32)
-    add_matvec_panels(w_in, h, np.zeros(0, dtype=np.float32), pre, threads)  # biases: in _gated_value
+    matvec_into(w_in, h, np.zeros(0, dtype=np.float32), pre, threads)  # biases: in _gated_value
     for i in prange(n_ff):
         hidden[i] = _gated_value(pre[i], pre[n_ff + i], i, n_ff, b_in, act_id, up_act_id, criterion, threshold)
 
@@ -91,35 +90,11 @@ def gated_hidden(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, h
     raise NotImplementedError("gated_hidden() is for numba kernels")
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def _gated_hidden_quant(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):
-    """_gated_hidden for quantized w_in (ops/quant.py): all gate and up dots, then the values."""
-    pre = np.zeros(2 * n_ff, dtype=np.float32)
-    add_matvec_q(w_in, h, np.zeros(0, dtype=np.float32), pre, threads)
-    for i in prange(n_ff):
-        hidden[i] = _gated_value(pre[i], pre[n_ff + i], i, n_ff, b_in, act_id, up_act_id, criterion, threshold)
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def _gated_hidden_lanes(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):
-    """_gated_hidden for w_in in lanes (ops/lanes.py): all gate and up dots, then the values."""
-    pre = np.zeros(2 * n_ff, dtype=np.float32)
-    add_matvec_lanes(w_in, h, np.zeros(0, dtype=np.float32), pre, threads)
-    for i in prange(n_ff):
-        hidden[i] = _gated_value(pre[i], pre[n_ff + i], i, n_ff, b_in, act_id, up_act_id, criterion, threshold)
-
-
 @overload(gated_hidden)
 def _gated_hidden_any(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):
-    if w_in.ndim == 4:
+    if w_in.ndim >= 3:  # panels, GGUF blocks, lanes
         return lambda h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads: (
-            _gated_hidden_lanes(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads))
-    if w_in.ndim == 3 and w_in.dtype == types.uint8:
-        return lambda h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads: (
-            _gated_hidden_quant(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads))
-    if w_in.ndim == 3:
-        return lambda h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads: (
-            _gated_hidden_panels(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads))
+            _gated_hidden_pre(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads))
     return lambda h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads: _gated_hidden(
         h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden)
 

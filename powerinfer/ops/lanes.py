@@ -222,9 +222,6 @@ def matmul(t: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -
     w = t.numpy()
     xs = np.ascontiguousarray(x.float().numpy())
     out = np.zeros((xs.shape[0], shape_of(t)[0]), dtype=np.float32)
-    if xs.shape[0] == 1:
-        add_matvec_lanes(w, xs[0], np.zeros(0, dtype=np.float32), out[0], 0)
-    else:
-        _add_dots(w, quantize_acts_rows(xs, _row_bytes(w.shape[3])), out)
+    add_matvec_lanes_batch(w, xs, np.zeros(0, dtype=np.float32), out, 0)  # one token too: the GEMV's dots
     res = torch.from_numpy(out)
     return res if bias is None else res.add_(bias)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from cli_helpers import run_cli
+from cli_helpers import run_cli_here
 
 from powerinfer.hardware import BUILTIN
 from powerinfer.units import parse_size
@@ -19,7 +19,7 @@ def test_bench_hybrid_places_both_engines_under_one_budget(tmp_path):
     hw = BUILTIN["rtx4090"].to_dict() | {"name": "small-gpu", "runtime_buffers": 1 << 20, "sync_overhead": 0,
                                          "pcie_latency": 0, "gpu_layer_overhead": 0}
     (tmp_path / "hw.json").write_text(json.dumps(hw))
-    r = run_cli("bench", "hybrid", *SMALL, "--vram-fraction", "0.5", "--tokens", "6", "--rounds", "1",
+    r = run_cli_here("bench", "hybrid", *SMALL, "--vram-fraction", "0.5", "--tokens", "6", "--rounds", "1",
                 "--hardware", str(tmp_path / "hw.json"), "--dir", str(tmp_path / "h"), "-t", "2")
     assert r.returncode == 0, r.stderr
     budget = parse_size(re.search(r"budget ([\d.]+ \w+)", r.stdout).group(1).replace(" ", ""))
@@ -40,7 +40,7 @@ def test_bench_relu7b_on_quantized_blocks_leaves_nothing_behind(tmp_path, monkey
     Without --dir the planted model (~14 GB at the default shape) goes to a temporary folder
     that is removed at the end, not left in /tmp run after run."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
-    r = run_cli("bench", "relu7b", *SMALL, "--dtype", "q4_0", "--tokens", "4", "--rounds", "1", "-t", "2")
+    r = run_cli_here("bench", "relu7b", *SMALL, "--dtype", "q4_0", "--tokens", "4", "--rounds", "1", "-t", "2")
     assert r.returncode == 0, r.stderr
     assert "planted-256d-1024ff-4h-4l.q4_0.gguf" in r.stdout and list(tmp_path.iterdir()) == []
     speeds = dict(re.findall(r"\| (dense|sparse) \| ([\d.]+) \|", r.stdout))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import powerinfer
-from cli_helpers import run_cli
+from cli_helpers import run_cli, run_cli_here
 from powerinfer.data import load_prompts
 from powerinfer.engine.packed import PackedModelError, load_packed, read_manifest
 from powerinfer.errors import BadArgumentError
@@ -509,26 +509,26 @@ def test_cli_pack_generate_stats_and_prepare_cache(relu, tmp_path, monkeypatch):
     pl = tmp_path / "placement.json"
     pl.write_text(json.dumps(placements(relu.hash)["split"]))
     out = tmp_path / "cli-packed"
-    r = run_cli("pack", "-m", relu.path, "--profile", relu.profile.path, "--predictors", "none", "--placement", str(pl),
+    r = run_cli_here("pack", "-m", relu.path, "--profile", relu.profile.path, "--predictors", "none", "--placement", str(pl),
                 "-o", str(out))
     assert r.returncode == 0, r.stderr
     assert "GPU-tier neurons" in r.stdout
-    r = run_cli("generate", "-m", relu.path, "--packed", str(out), "--mode", "oracle", "-p", "Hi", "-n", "4",
+    r = run_cli_here("generate", "-m", relu.path, "--packed", str(out), "--mode", "oracle", "-p", "Hi", "-n", "4",
                 "--temperature", "0", "--stats")
     assert r.returncode == 0, r.stderr
     assert "engine: oracle, GPU tier on cpu" in r.stdout and "GPU share of neuron load" in r.stdout
-    r = run_cli("generate", "-m", relu.path, "--packed", str(out), "--mode", "oracle", "-p", "Hi", "-n", "4",
+    r = run_cli_here("generate", "-m", relu.path, "--packed", str(out), "--mode", "oracle", "-p", "Hi", "-n", "4",
                 "--temperature", "0", "--stats", "--kv-on-gpu")
     assert r.returncode == 0, r.stderr
     assert "(with KV cache)" in r.stdout
     # refusals (--kv-on-gpu without the packed engine, an unprepared sparse mode, a missing
     # packed model): tests/test_bad_input_corpus.py, in process
     # prepare: the whole pipeline, then a second run that reuses everything
-    r = run_cli("prepare", "-m", relu.path, "--prompts", "8", "--heldout", "2", "--max-tokens", "32",
+    r = run_cli_here("prepare", "-m", relu.path, "--prompts", "8", "--heldout", "2", "--max-tokens", "32",
                 "--target-sparsity", "0.3", "--predictors", "all")
     assert r.returncode == 0, r.stderr
     assert "prepared:" in r.stdout and "no GPU" in r.stderr
-    r = run_cli("prepare", "-m", relu.path, "--prompts", "8", "--heldout", "2", "--max-tokens", "32",
+    r = run_cli_here("prepare", "-m", relu.path, "--prompts", "8", "--heldout", "2", "--max-tokens", "32",
                 "--target-sparsity", "0.3", "--predictors", "all")
     assert r.returncode == 0 and "up to date" in r.stderr and "profiling" not in r.stderr
     # predictors replaced in the cache since (as `powerinfer train` does): prepare repacks with them
@@ -539,7 +539,7 @@ def test_cli_pack_generate_stats_and_prepare_cache(relu, tmp_path, monkeypatch):
     preds = Predictors.load(pdir)
     preds.layers[0].threshold += 0.25
     preds.save(pdir)
-    r = run_cli("prepare", "-m", relu.path, "--prompts", "8", "--heldout", "2", "--max-tokens", "32",
+    r = run_cli_here("prepare", "-m", relu.path, "--prompts", "8", "--heldout", "2", "--max-tokens", "32",
                 "--target-sparsity", "0.3", "--predictors", "all")
     assert r.returncode == 0 and "up to date" not in r.stderr and "reusing the predictors" in r.stderr
     from powerinfer.formats.packed import read_check
@@ -552,14 +552,14 @@ def test_cli_pack_generate_stats_and_prepare_cache(relu, tmp_path, monkeypatch):
     # measured, or nothing to measure: every layer computes the dense FFN (said so in the note)
     assert set(check.tokens_per_s) == {"dense", "sparse"} or (
         check.auto_mode == "dense" and "computes the dense model" in check.note and not check.tokens_per_s)
-    r = run_cli("generate", "-m", relu.path, "-p", "Hi", "-n", "4", "--temperature", "0", "--stats")
+    r = run_cli_here("generate", "-m", relu.path, "-p", "Hi", "-n", "4", "--temperature", "0", "--stats")
     assert r.returncode == 0, r.stderr
     assert f"engine: {check.auto_mode}" in r.stdout  # what prepare measured to be better
     if check.auto_mode == "dense":
         assert "using dense" in r.stderr
-    r = run_cli("generate", "-m", relu.path, "-p", "Hi", "-n", "4", "--temperature", "0", "--stats", "--mode", "sparse")
+    r = run_cli_here("generate", "-m", relu.path, "-p", "Hi", "-n", "4", "--temperature", "0", "--stats", "--mode", "sparse")
     assert r.returncode == 0 and "engine: sparse" in r.stdout
-    r = run_cli("generate", "-m", relu.path, "-p", "Hi", "-n", "4", "--temperature", "0", "--stats", "--mode", "dense")
+    r = run_cli_here("generate", "-m", relu.path, "-p", "Hi", "-n", "4", "--temperature", "0", "--stats", "--mode", "dense")
     assert r.returncode == 0 and "engine: dense" in r.stdout
 
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from cli_helpers import assert_clean_error, run_cli
+from cli_helpers import assert_clean_error, run_cli_here
 
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 3 + "Perplexity measures how well a model predicts text; "
         "lower is better, and the same text and chunking make engines comparable. ") * 8
@@ -39,7 +39,7 @@ def oracle_perplexity(model_dir, text: str, ctx: int, chunks: int) -> float:
 def test_perplexity_command_equals_transformers(chat_model_dir, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
-    r = run_cli("perplexity", "-m", str(chat_model_dir), "-f", str(text), "-c", "32", "--chunks", "3",
+    r = run_cli_here("perplexity", "-m", str(chat_model_dir), "-f", str(text), "-c", "32", "--chunks", "3",
                 "--dtype", "fp32")
     assert r.returncode == 0, r.stderr
     got = float(re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", r.stdout).group(1))
@@ -55,14 +55,14 @@ def test_perplexity_command_equals_transformers(chat_model_dir, tmp_path):
 def test_perplexity_bad_input(chat_model_dir, tmp_path, flags, fragment):
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
-    assert_clean_error(run_cli("perplexity", "-m", str(chat_model_dir), "-f", str(text), *flags), fragment)
+    assert_clean_error(run_cli_here("perplexity", "-m", str(chat_model_dir), "-f", str(text), *flags), fragment)
 
 
 def test_perplexity_refuses_a_missing_binary_or_too_short_file(chat_model_dir, tmp_path):
-    assert_clean_error(run_cli("perplexity", "-m", str(chat_model_dir), "-f", str(tmp_path / "nope.txt")),
+    assert_clean_error(run_cli_here("perplexity", "-m", str(chat_model_dir), "-f", str(tmp_path / "nope.txt")),
                        "No such file")
     (tmp_path / "bin.txt").write_bytes(b"caf\xe9 \xff\xfe")
-    assert_clean_error(run_cli("perplexity", "-m", str(chat_model_dir), "-f", str(tmp_path / "bin.txt")), "not UTF-8")
+    assert_clean_error(run_cli_here("perplexity", "-m", str(chat_model_dir), "-f", str(tmp_path / "bin.txt")), "not UTF-8")
     (tmp_path / "short.txt").write_text("Too short.")
-    assert_clean_error(run_cli("perplexity", "-m", str(chat_model_dir), "-f", str(tmp_path / "short.txt"), "-c", "60"),
+    assert_clean_error(run_cli_here("perplexity", "-m", str(chat_model_dir), "-f", str(tmp_path / "short.txt"), "-c", "60"),
                        "fewer than one chunk")

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from cli_helpers import run_cli
+from cli_helpers import run_cli_here
 import torch
 from tiny_models import build_tokenized_llama
 
@@ -163,18 +163,18 @@ def test_cli_profile_report_and_no_silent_overwrite(relu_model, tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps({"text": t}) for t in TEXTS))
     out = tmp_path / "prof"
-    r = run_cli("profile", "-m", str(relu_model), "--dataset", str(data), "--prompts", "3", "--heldout", "2",
+    r = run_cli_here("profile", "-m", str(relu_model), "--dataset", str(data), "--prompts", "3", "--heldout", "2",
                 "--max-tokens", "32", "--target-sparsity", "0.6", "--eval-sparsities", "0.8", "-o", str(out))
     assert r.returncode == 0, r.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["dataset"]["n_profile"] == 3 and set(manifest["quality"]) >= {"dense_ppl", "sparse_ppl", "ppl@0.8"}
     split = json.loads((out / "split.json").read_text())
     assert len(split["profile"]) == 3 and not set(split["profile"]) & set(split["heldout"])
-    r = run_cli("profile", "-m", str(relu_model), "--dataset", str(data), "--prompts", "3", "--heldout", "0",
+    r = run_cli_here("profile", "-m", str(relu_model), "--dataset", str(data), "--prompts", "3", "--heldout", "0",
                 "-o", str(out))
     assert r.returncode == 2 and "--force" in r.stderr
-    r = run_cli("profile", "--report", str(out))
+    r = run_cli_here("profile", "--report", str(out))
     assert r.returncode == 0 and "| 2 |" in r.stdout and (out / "activation_distribution.png").stat().st_size > 1000
-    r = run_cli("profile", "--synthetic", "--layers", "3", "--ffn", "256", "-o", str(tmp_path / "syn"))
+    r = run_cli_here("profile", "--synthetic", "--layers", "3", "--ffn", "256", "-o", str(tmp_path / "syn"))
     assert r.returncode == 0, r.stderr
     assert Profile.load(str(tmp_path / "syn")).layers[2].n_ff == 256

@@ -255,6 +255,21 @@ def test_fused_qkv_of_mixed_formats_keeps_each_part(tmp_path):
         solo.append(native.forward(tokens[start + 4:start + 5], copy))
     batch = native.decode([int(tokens[s + 4]) for s in (0, 3, 5)], caches)
     assert torch.equal(batch, torch.stack(solo))
+    # the parts run inside the fused attention kernel (a tuple of part arrays); the unfused
+    # layer (torch norms, each part's own GEMV) rounds elsewhere, so: near
+    assert all(layer.fused_decode for layer in native.layers)
+    fused, plain = native.new_cache(16), native.new_cache(16)
+    native.forward(tokens[:6], fused)
+    native.forward(tokens[:6], plain)
+    want = []
+    for layer in native.layers:
+        layer.fused_decode = False
+    for t in tokens[6:9]:
+        want.append(native.forward(t[None], plain))
+    for layer in native.layers:
+        layer.fused_decode = True
+    got, want = torch.stack([native.forward(t[None], fused) for t in tokens[6:9]]), torch.stack(want)
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
 
 
 def test_releasing_copied_file_pages_keeps_every_value(smollm2_path):

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from cli_helpers import run_cli
+from cli_helpers import run_cli_here
 import torch
 
 from powerinfer.errors import BadArgumentError
@@ -116,10 +116,10 @@ def test_impossible_budgets_and_mismatches_are_refused():
 
 
 def test_cli_solve_writes_placement_and_refuses_bad_input(tmp_path):
-    r = run_cli("profile", "--synthetic", "--layers", "32", "--ffn", "11008", "-o", str(tmp_path / "syn"))
+    r = run_cli_here("profile", "--synthetic", "--layers", "32", "--ffn", "11008", "-o", str(tmp_path / "syn"))
     assert r.returncode == 0, r.stderr
     out = tmp_path / "place.json"
-    r = run_cli("solve", "--profile", str(tmp_path / "syn"), "--shape", "llama-7b", "--hardware", "rtx2080ti",
+    r = run_cli_here("solve", "--profile", str(tmp_path / "syn"), "--shape", "llama-7b", "--hardware", "rtx2080ti",
                 "--vram-budget", "6GiB", "--explain", "-o", str(out))
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
@@ -131,22 +131,22 @@ def test_cli_solve_writes_placement_and_refuses_bad_input(tmp_path):
     assert off["head_on_gpu"] is True and 0 < off["gpu_layers"] < 32
     for budget, msg in [("-1GiB", "negative"), ("0", "positive"), ("1MiB", "smaller than"), ("64GiB", "exceeds"),
                         ("lots", "cannot read size")]:
-        r = run_cli("solve", "--profile", str(tmp_path / "syn"), "--shape", "llama-7b", "--hardware", "rtx2080ti",
+        r = run_cli_here("solve", "--profile", str(tmp_path / "syn"), "--shape", "llama-7b", "--hardware", "rtx2080ti",
                     f"--vram-budget={budget}", "-o", str(tmp_path / "x.json"))
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, (budget, r.stderr)
-    r = run_cli("solve", "--profile", str(tmp_path / "syn"), "--shape", "llama-13b", "-o", str(tmp_path / "y.json"))
+    r = run_cli_here("solve", "--profile", str(tmp_path / "syn"), "--shape", "llama-13b", "-o", str(tmp_path / "y.json"))
     assert r.returncode == 2 and "layers" in r.stderr
-    r = run_cli("solve", "--profile", str(tmp_path / "syn"), "--shape", "llama-7b", "-o", str(out))
+    r = run_cli_here("solve", "--profile", str(tmp_path / "syn"), "--shape", "llama-7b", "-o", str(out))
     assert r.returncode == 2 and "--force" in r.stderr
 
 
 def test_profile_for_another_model_is_refused(tmp_path):
-    r = run_cli("profile", "--synthetic", "--layers", "30", "--ffn", "1536", "-o", str(tmp_path / "syn"))
+    r = run_cli_here("profile", "--synthetic", "--layers", "30", "--ffn", "1536", "-o", str(tmp_path / "syn"))
     assert r.returncode == 0
     manifest = json.loads((tmp_path / "syn" / "manifest.json").read_text())
     manifest["model"] = {"hash": "0" * 32}
     (tmp_path / "syn" / "manifest.json").write_text(json.dumps(manifest))
-    r = run_cli("solve", "--profile", str(tmp_path / "syn"), "-m", __import__("powerinfer.paths").paths.default_model_path(),
+    r = run_cli_here("solve", "--profile", str(tmp_path / "syn"), "-m", __import__("powerinfer.paths").paths.default_model_path(),
                 "-o", str(tmp_path / "z.json"))
     assert r.returncode == 2 and "made for model" in r.stderr
 
@@ -155,12 +155,12 @@ def test_hardware_profiles_measure_show_and_edit(tmp_path):
     from powerinfer.hardware import load_hardware
 
     out = tmp_path / "hw.json"
-    r = run_cli("hardware", "--measure", "-o", str(out))
+    r = run_cli_here("hardware", "--measure", "-o", str(out))
     assert r.returncode == 0, r.stderr
     measured = load_hardware(str(out))
     assert measured.cpu_bandwidth > 1e9 and measured.cpu_flops > 1e8
     assert measured.gpu_memory == (0 if not torch.cuda.is_available() else measured.gpu_memory)
-    r = run_cli("hardware", "--show", "rtx2080ti")
+    r = run_cli_here("hardware", "--show", "rtx2080ti")
     assert r.returncode == 0 and json.loads(r.stdout)["gpu_memory"] == 11 * 2**30
     toml = tmp_path / "edited.toml"
     fields = BUILTIN["rtx4090"].to_dict() | {"name": "my-pc", "gpu_memory": 8 * 2**30}

@@ -97,7 +97,7 @@ def test_saved_predictors_round_trip_and_refuse_mismatches(trained, tmp_path):
 def test_cli_train_and_eval_end_to_end(tmp_path, smollm2_path):
     import json
 
-    from cli_helpers import run_cli as cli
+    from cli_helpers import run_cli_here as cli
     from tiny_models import build_tokenized_llama
 
     model = build_tokenized_llama(tmp_path / "m", smollm2_path)

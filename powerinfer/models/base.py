@@ -342,7 +342,7 @@ class Model:
         return (plain and a.pre_norm and not a.parallel_block and not a.qk_norm and a.norm == "rms"
                 and a.position in ("rope", "learned")
                 and layer.attn_norm.weight is not None and layer.ffn_norm is not None
-                and layer.ffn_norm.weight is not None and layer.attn.qkv.w_np is not None
+                and layer.ffn_norm.weight is not None and layer.attn.qkv.fused_np is not None
                 and layer.attn.o.w_np is not None)
 
     # -- positions -----------------------------------------------------------------------
@@ -476,7 +476,7 @@ class Model:
             qkv, o = layer.attn.qkv, layer.attn.o
             assert layer.ffn_norm is not None and layer.ffn_norm.weight is not None
             w = layer.decode_weights = api.AttentionWeights(
-                layer.attn_norm.weight.numpy(), self.args.norm_eps, qkv.w_np, qkv.b_np, o.w_np, o.b_np,
+                layer.attn_norm.weight.numpy(), self.args.norm_eps, qkv.fused_np, qkv.b_np, o.w_np, o.b_np,
                 layer.ffn_norm.weight.numpy())
         return w
 

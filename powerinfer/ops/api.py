@@ -183,7 +183,7 @@ class AttentionWeights:
 
     norm_w: np.ndarray
     eps: float
-    wqkv: np.ndarray
+    wqkv: np.ndarray | tuple[np.ndarray, ...]  # a tuple: row parts of mixed formats
     bqkv: np.ndarray
     wo: np.ndarray
     bo: np.ndarray

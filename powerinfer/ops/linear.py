@@ -53,6 +53,14 @@ class Linear:
         return self.w.kernel
 
     @property
+    def fused_np(self) -> np.ndarray | tuple[np.ndarray, ...] | None:
+        """What the fused decode kernels read (`panels.matvec_into`): `w_np`, or for a
+        matrix of mixed-format parts on the CPU the tuple of its parts' kernel arrays."""
+        if isinstance(self.w, PartsWeight) and self.w.device.type == "cpu" and len(self.w.part_kernels) <= 3:
+            return tuple(k for k, _ in self.w.part_kernels)
+        return self.w.kernel
+
+    @property
     def b_np(self) -> np.ndarray:
         """The fp32 bias for the numba kernels; an empty array when there is none."""
         return cpu.NO_BIAS if self._b_np is None else self._b_np

@@ -137,6 +137,8 @@ def matvec_into(w, v, b, x, threads):  # pragma: no cover - only its numba overl
 
 @overload(matvec_into)
 def _matvec_into(w, v, b, x, threads):
+    if isinstance(w, types.BaseTuple):  # row parts of mixed formats (a Q4_K_M file's fused QKV)
+        return lambda w, v, b, x, threads: _add_bias(x, b, _matvec_parts(w, v, x, threads))
     if w.ndim == 4:  # GGUF blocks re-laid 16 rows at a time (ops/lanes.py)
         return lambda w, v, b, x, threads: add_matvec_lanes(w, v, b, x, threads)
     if w.ndim == 3 and w.dtype == types.uint8:  # GGUF quantized blocks (ops/quant.py)
@@ -146,12 +148,50 @@ def _matvec_into(w, v, b, x, threads):
     return lambda w, v, b, x, threads: add_matvec(w, v, b, x)
 
 
+@njit(inline="always")
+def _part_into(w, v, x, first, threads):
+    """x[first:first + rows] += W v for one part (W's own kernel into a zeroed buffer, so
+    the part's rows are what its one-format GEMV gives); returns the next part's first row."""
+    rows = out_features(w)
+    part = np.zeros(rows, dtype=np.float32)
+    matvec_into(w, v, _NO_BIAS, part, threads)
+    x[first:first + rows] += part
+    return first + rows
+
+
+def _matvec_parts(w, v, x, threads):  # pragma: no cover - only its numba overload runs
+    raise NotImplementedError("_matvec_parts() is for numba kernels")
+
+
+@overload(_matvec_parts)
+def _matvec_parts_any(w, v, x, threads):
+    if len(w) == 2:
+        return lambda w, v, x, threads: _part_into(w[1], v, x, _part_into(w[0], v, x, 0, threads), threads)
+    if len(w) == 3:
+        return lambda w, v, x, threads: _part_into(
+            w[2], v, x, _part_into(w[1], v, x, _part_into(w[0], v, x, 0, threads), threads), threads)
+    raise TypeError("weight parts: two or three")
+
+
+@njit(inline="always")
+def _add_bias(x, b, _):
+    if b.shape[0] > 0:
+        x += b
+
+
+_NO_BIAS = np.zeros(0, dtype=np.float32)
+
+
 def out_features(w):  # pragma: no cover - only its numba overload runs
     raise NotImplementedError("out_features() is for numba kernels")
 
 
 @overload(out_features)
 def _out_features(w):
+    if isinstance(w, types.BaseTuple):
+        if len(w) == 2:
+            return lambda w: out_features(w[0]) + out_features(w[1])
+        return lambda w: out_features(w[0]) + out_features(w[1]) + out_features(w[2])
     if w.ndim == 4:
         return lambda w: w.shape[0] * w.shape[2]
     if w.ndim == 3 and w.dtype == types.uint8:
@@ -167,6 +207,8 @@ def in_features(w):  # pragma: no cover - only its numba overload runs
 
 @overload(in_features)
 def _in_features(w):
+    if isinstance(w, types.BaseTuple):
+        return lambda w: in_features(w[0])
     if w.ndim == 4:
         return lambda w: w.shape[1] * (256 if w.shape[3] == 148 else 32)  # Q4_K lanes: blocks of 256
     if w.ndim == 3 and w.dtype == types.uint8:

@@ -61,8 +61,12 @@ def test_gemv_matches_reference(fmt, rows, cols, threads):
         lanes.add_matvec_lanes(L.numpy(), x.numpy(), b.numpy(), out, threads)
     finally:
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
-    expect = reference.gemv(quant.dequantize(t), acts(x), b, res)
-    torch.testing.assert_close(torch.from_numpy(out), expect, atol=2e-4, rtol=1e-4)
+    dense = quant.dequantize(t)
+    expect = reference.gemv(dense, acts(x), b, res)
+    # fp32 sums in another order: the error scales with the sum of |terms| (K-quants' values
+    # reach ~1000 with cancellation to ~0.3 in some rows), a wrong quant by whole terms
+    scale = dense.abs() @ acts(x).abs()
+    assert ((torch.from_numpy(out) - expect).abs() <= 2e-4 + 1e-6 * scale).all()
 
 
 @pytest.mark.parametrize("fmt", lanes.FORMATS)

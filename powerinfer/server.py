@@ -297,6 +297,25 @@ async def cancel_on_disconnect(request: HTTPRequest, req: Request) -> None:
             return
 
 
+class APIKeyCheck:
+    """401 for a /v1/ request without `Authorization: Bearer KEY`. A plain ASGI middleware:
+    starlette's `@app.middleware("http")` runs the route in another task and relays each
+    chunk of a streamed response through a memory stream, a cost paid per token."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if given != self.expected:
+                response = JSONResponse(error_body("invalid or missing API key", "authentication_error",
+                                                   "invalid_api_key"), status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(server: Server):
     """The FastAPI application serving `server`."""
     @contextlib.asynccontextmanager
@@ -322,13 +341,8 @@ def create_app(server: Server):
     async def validation_error(_, exc: RequestValidationError):
         return JSONResponse(error_body("invalid request", "invalid_request_error", None), status_code=400)
 
-    @app.middleware("http")
-    async def auth(request: HTTPRequest, call_next):
-        if server.api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {server.api_key}":
-                return JSONResponse(error_body("invalid or missing API key", "authentication_error",
-                                               "invalid_api_key"), status_code=401)
-        return await call_next(request)
+    if server.api_key:
+        app.add_middleware(APIKeyCheck, key=server.api_key)
 
     @app.get("/health")
     async def health():

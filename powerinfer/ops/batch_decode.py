@@ -152,7 +152,7 @@ def _add_bias(X, b, _):
 _NO_BIAS = np.zeros(0, dtype=np.float32)
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, nogil=True)
 def gemv(w, V, bias, residual, out, threads):
     """out[s] = W V[s] (+ bias) (+ residual[s]) for every s: `panels.gemv_any` per sequence.
     Empty `bias`/`residual` mean none."""
@@ -204,7 +204,7 @@ def _gated_hidden_any(H, w_in, b_in, n_ff, act_id, up_act_id, criterion, thresho
         H, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden)
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, nogil=True)
 def dense_ffn(H, w_in, b_in, w_out, b_out, gated, act_id, up_act_id, criterion, threshold, X, threads):
     """X[s] += FFN(H[s]) in place for every sequence: `decode.dense_ffn` per sequence."""
     B = H.shape[0]
@@ -222,7 +222,7 @@ def dense_ffn(H, w_in, b_in, w_out, b_out, gated, act_id, up_act_id, criterion, 
     matvec_into(w_out, hidden, b_out, X, threads)
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, nogil=True)
 def attention_in(X, norm_w, eps, wqkv, bqkv, QKV, threads):
     """QKV[s] = Wqkv rms_norm(X[s]) (+ b): the first part of `decode.attention_block`."""
     H = np.empty_like(X)
@@ -232,7 +232,7 @@ def attention_in(X, norm_w, eps, wqkv, bqkv, QKV, threads):
     matvec_into(wqkv, H, bqkv, QKV, threads)
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, nogil=True)
 def attention_out(ATT, wo, bo, X, ffn_norm_w, eps, H_out, threads):
     """X[s] += Wo ATT[s] (+ b), then H_out[s] = rms_norm(X[s]) * ffn_norm_w: the end of
     `decode.attention_block`."""
@@ -241,7 +241,7 @@ def attention_out(ATT, wo, bo, X, ffn_norm_w, eps, H_out, threads):
         rms_norm(X[s], ffn_norm_w, eps, H_out[s])
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def attend(QKV, pos, cos, sin, k_caches, v_caches, n_heads, n_kv, head_dim, scale, rope, ATT):
     """Decode attention for B sequences in one call: sequence s's token at position pos[s]
     (RoPE, its keys and values written into its own caches k_caches[s] / v_caches[s], typed

@@ -23,7 +23,7 @@ from .cpu import _act, attend_head, dot4, gated_value, rms_norm, row_dot, write_
 from .panels import in_features, matvec_into, out_features
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def attention_block(x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, pos, cos, sin, k_cache, v_cache,
                     n_heads, n_kv, head_dim, scale, rope, h_out, threads):
     """x += attention(rms_norm(x)) in place, then h_out = rms_norm(x) * ffn_norm_w.
@@ -99,7 +99,7 @@ def _gated_hidden_any(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, thresho
         h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def dense_ffn(h, w_in, b_in, w_out, b_out, gated, act_id, up_act_id, criterion, threshold, x, threads):
     """x += FFN(h) in place, every neuron's rows read.
 

@@ -106,7 +106,7 @@ def add_matvec_panels(wp, v, b, x, threads):
                 x[i] += b[i]
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def gemv_any(w, x, bias, residual, out, threads):
     """out = W x (+ bias) (+ residual), W in rows or panels; empty arrays mean none."""
     if residual.shape[0] > 0:

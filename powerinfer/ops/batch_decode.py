@@ -144,6 +144,8 @@ def _matvec_parts_any(w, V, X, threads):
 
 @njit(inline="always")
 def _add_bias(X, b, _):
+    """+= b (when given) after the parts' GEMVs, whose result is the unused third argument:
+    taking it orders the calls in the one-expression lambda."""
     if b.shape[0] > 0:
         for s in range(X.shape[0]):
             X[s] += b

@@ -175,6 +175,8 @@ def _matvec_parts_any(w, v, x, threads):
 
 @njit(inline="always")
 def _add_bias(x, b, _):
+    """+= b (when given) after the parts' GEMVs, whose result is the unused third argument:
+    taking it orders the calls in the one-expression lambda."""
     if b.shape[0] > 0:
         x += b
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
@@ -143,12 +143,13 @@ def quantize_acts(v, bb):
     return out
 
 
-@njit
+@njit(parallel=True)
 def quantize_acts_rows(V, bb):
-    """`quantize_acts` for every row of V (B, cols): (B, record bytes per row)."""
+    """`quantize_acts` for every row of V (B, cols): (B, record bytes per row), the rows
+    shared among the threads (a row's records are the same whichever thread makes them)."""
     P = 256 if bb == 144 or bb == 176 or bb == 210 else 32
     out = np.empty((V.shape[0], V.shape[1] // P * (72 * (P // 32))), dtype=np.uint8)
-    for s in range(V.shape[0]):
+    for s in prange(V.shape[0]):
         _quantize_into(V[s], bb, out[s])
     return out
 

@@ -66,7 +66,7 @@ def _quiet_transformers() -> None:
 
 def load_tokenizer(model_path: str, eos_token_ids: Iterable[int] = ()) -> Tokenizer | None:
     """The model's tokenizer, or None for an HF directory that ships none."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     _quiet_transformers()
     if os.path.isdir(model_path):
@@ -79,7 +79,9 @@ def load_tokenizer(model_path: str, eos_token_ids: Iterable[int] = ()) -> Tokeni
             raise ModelFileError(f"{model_path}: cannot load the tokenizer ({type(e).__name__}: {detail})") from None
     saved = cache_dir() / "tokenizers" / content_hash(model_path)
     if (saved / "tokenizer.json").is_file():
-        return Tokenizer(AutoTokenizer.from_pretrained(str(saved)), eos_token_ids)
+        # the saved pipeline as it is: AutoTokenizer would pick the architecture's class
+        # (Qwen2Tokenizer), which rebuilds its own pre-tokenizer over a sentencepiece vocabulary
+        return Tokenizer(PreTrainedTokenizerFast.from_pretrained(str(saved)), eos_token_ids)
     try:
         hf = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(model_path)),
                                            gguf_file=os.path.basename(model_path))

@@ -66,6 +66,11 @@ def test_converter_gguf_matches_transformers(name, converted):
     torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
 
     assert tokens.tolist() == reference_tokens(name, hf_dir, text)
+    # a second load reads the tokenizer saved by the first: it must split text the same way
+    from powerinfer.tokenizer import load_tokenizer
+
+    longer = "The GNU General Public License, version 3 (29 June 2007):\n\n  free   software\tfor all. 12345"
+    assert load_tokenizer(str(gguf)).encode(longer) == reference_tokens(name, hf_dir, longer)
     assert tok.has_chat_template
     prompt = tok.chat_prompt([{"role": "user", "content": "hi"}])
     assert "hi" in prompt and prompt != "hi"

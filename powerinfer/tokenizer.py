@@ -64,6 +64,36 @@ def _quiet_transformers() -> None:
     logging.disable_progress_bar()
 
 
+# `tokenizer.ggml.pre` values whose text llama.cpp cuts into single digits before the GPT-2
+# split (llama-vocab.cpp: STARCODER, REFACT, COMMAND_R, SMOLLM, CODESHELL, EXAONE, MINERVA),
+# as these models' own tokenizer.json do with a Digits pre-tokenizer; transformers' GGUF
+# conversion leaves the digits with the GPT-2 split alone (" 2007" one piece instead of " ", "2", ...)
+DIGIT_SPLIT_PRE = frozenset({"starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"})
+
+
+def _match_llama_cpp_split(hf: Any, model_path: str) -> None:
+    """Make `hf` (built by transformers from the GGUF at `model_path`) split text as llama.cpp
+    does with the same metadata, where transformers' conversion does not:
+    - `tokenizer.ggml.pre` naming a digit-splitting pre-tokenizer (DIGIT_SPLIT_PRE);
+    - a sentencepiece vocabulary with the space prefix (the default): sentencepiece and
+      llama.cpp always prepend it, transformers' Metaspace not to text that starts with a
+      space ("  GNU" must be three spaces' worth of pieces, not two)."""
+    from tokenizers import normalizers, pre_tokenizers
+
+    from .formats.gguf_check import read_header
+
+    metadata = read_header(model_path, os.path.getsize(model_path)).metadata
+    backend = hf.backend_tokenizer
+    if metadata.get("tokenizer.ggml.model") == "gpt2" and metadata.get("tokenizer.ggml.pre") in DIGIT_SPLIT_PRE:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+    if (metadata.get("tokenizer.ggml.model") == "llama" and metadata.get("tokenizer.ggml.add_space_prefix", True)
+            and isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace)):
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        backend.pre_tokenizer = None
+
+
 def load_tokenizer(model_path: str, eos_token_ids: Iterable[int] = ()) -> Tokenizer | None:
     """The model's tokenizer, or None for an HF directory that ships none."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -77,7 +107,8 @@ def load_tokenizer(model_path: str, eos_token_ids: Iterable[int] = ()) -> Tokeni
         except Exception as e:  # transformers raises JSON, OS, value and key errors on bad files
             detail = " ".join(str(e).split())[:200]
             raise ModelFileError(f"{model_path}: cannot load the tokenizer ({type(e).__name__}: {detail})") from None
-    saved = cache_dir() / "tokenizers" / content_hash(model_path)
+    # v3: split as llama.cpp splits (_match_llama_cpp_split); earlier saves split otherwise
+    saved = cache_dir() / "tokenizers-v3" / content_hash(model_path)
     if (saved / "tokenizer.json").is_file():
         # the saved pipeline as it is: AutoTokenizer would pick the architecture's class
         # (Qwen2Tokenizer), which rebuilds its own pre-tokenizer over a sentencepiece vocabulary
@@ -87,6 +118,7 @@ def load_tokenizer(model_path: str, eos_token_ids: Iterable[int] = ()) -> Tokeni
                                            gguf_file=os.path.basename(model_path))
     except (ValueError, KeyError, OSError) as e:
         raise ModelFileError(f"{model_path}: cannot build a tokenizer from the GGUF metadata ({e})") from None
+    _match_llama_cpp_split(hf, model_path)
     tmp = saved.with_name(saved.name + f".tmp{os.getpid()}")
     hf.save_pretrained(str(tmp))
     if saved.exists():  # another process saved it first

@@ -74,22 +74,30 @@ def spm_tokenizer(out: Path, dummy_prefix: bool, vocab_size: int = 512):
 # these families' paths want a SentencePiece tokenizer.model first: they get one trained here
 SPM_FAMILIES = {"gemma2", "qwen2", "phi3", "phi3_longrope"}
 
+# Phi-3's added tokens after the sentencepiece vocabulary: llama.cpp looks "<|endoftext|>" up
+# by name in any model named Phi-3 and refuses the file without it
+PHI3_ADDED = ["<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>"]
 
-def convert_tiny(name: str, root: Path, outtype: str = "f32") -> tuple[Path, Path]:
+
+def convert_tiny(name: str, root: Path, outtype: str = "f32", hidden: int | None = None) -> tuple[Path, Path]:
     """(HF dir, GGUF file) of tiny model `name` (tests/tiny_models.py) under `root`, with a
     tokenizer the converter takes: SmolLM2's, or a SentencePiece one trained here (a dummy
-    prefix except for Gemma). The HF checkpoint is built once per root."""
+    prefix except for Gemma); `hidden` widens it (tiny_models._widen). The HF checkpoint is
+    built once per root."""
     from tiny_models import build_tiny
 
     hf_dir = root / name
     if not hf_dir.exists():
         if name in SPM_FAMILIES:
             spm_dir = root / f"spm-{name}"
-            build_tiny(name, root, spm_tokenizer(spm_dir, dummy_prefix=not name.startswith("gemma")))
+            tokenizer = spm_tokenizer(spm_dir, dummy_prefix=not name.startswith("gemma"))
+            if name.startswith("phi3"):
+                tokenizer.add_special_tokens({"additional_special_tokens": PHI3_ADDED})
+            build_tiny(name, root, tokenizer, hidden)
             shutil.copy(spm_dir / "tokenizer.model", hf_dir)
         else:
             from powerinfer.paths import default_model_path
             from powerinfer.tokenizer import load_tokenizer
 
-            build_tiny(name, root, load_tokenizer(default_model_path()).hf)
+            build_tiny(name, root, load_tokenizer(default_model_path()).hf, hidden)
     return hf_dir, convert(hf_dir, root / f"{name}.{outtype}.gguf", outtype)

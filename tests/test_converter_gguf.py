@@ -85,7 +85,7 @@ def test_converter_gguf_matches_transformers(name, converted):
     assert list(generate_step(model, tokens.tolist(), Sampler(SamplingParams(temperature=0)), 12)) == want
 
 
-@pytest.mark.parametrize("name", ["gemma3"])  # the most decoder options; the Q8_0 kernel is family-blind
+@pytest.mark.parametrize("name", CONVERTED)  # fused phi3 tensors cut as blocks, q/k norms, windows on blocks
 def test_converter_q8_0_native_matches_dequantized(name, converted):
     """The converter's Q8_0 file run on its blocks is the same file widened to fp32, but for
     the int8 rounding of the activations (about 1/254 of each 32 values' largest): logits

@@ -66,3 +66,19 @@ def test_perplexity_refuses_a_missing_binary_or_too_short_file(chat_model_dir, t
     (tmp_path / "short.txt").write_text("Too short.")
     assert_clean_error(run_cli_here("perplexity", "-m", str(chat_model_dir), "-f", str(tmp_path / "short.txt"), "-c", "60"),
                        "fewer than one chunk")
+
+
+@pytest.mark.parametrize("metadata, adds", [
+    ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm"}, False),  # converter files of SmolLM2's vocab
+    ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm", "tokenizer.ggml.add_bos_token": True}, True),
+    ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "llama-bpe"}, True),  # Llama 3
+    ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2"}, False),
+    ({"tokenizer.ggml.model": "llama"}, True),  # sentencepiece
+    ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.add_bos_token": False}, False),
+])
+def test_bos_follows_llama_cpp_defaults(metadata, adds):
+    """A GGUF without tokenizer.ggml.add_bos_token gets llama.cpp's default for its vocabulary
+    (llama-vocab.cpp), so that both engines score the same token sequence."""
+    from powerinfer.engine.perplexity import gguf_adds_bos
+
+    assert gguf_adds_bos(metadata) is adds

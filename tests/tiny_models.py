@@ -45,9 +45,10 @@ def _configs() -> dict:
                                                                        "rope_theta": 1000000.0}}),
         # Phi-3-mini-4k's shape: a sliding window (4 here, so that it bites)
         "phi3": Phi3Config(**llama, sliding_window=4, pad_token_id=0, eos_token_id=2, bos_token_id=1),
-        # Phi-3-mini-128k's LongRoPE (short factors below original_max_position_embeddings)
-        "phi3_longrope": Phi3Config(**{**llama, "max_position_embeddings": 256}, pad_token_id=0, eos_token_id=2,
-                                    bos_token_id=1, original_max_position_embeddings=64,
+        # Phi-3-mini-128k's LongRoPE (short factors below original_max_position_embeddings; 256 of
+        # them, as llama.cpp sizes a context at least 256 and picks long factors above the original)
+        "phi3_longrope": Phi3Config(**{**llama, "max_position_embeddings": 1024}, pad_token_id=0, eos_token_id=2,
+                                    bos_token_id=1, original_max_position_embeddings=256,
                                     rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                                      "short_factor": [1.0 + 0.1 * i for i in range(8)],
                                                      "long_factor": [2.0 + 0.5 * i for i in range(8)]}),
@@ -65,12 +66,30 @@ def _configs() -> dict:
 TINY_MODELS = sorted(_configs())
 
 
-def build_tiny(name: str, out: Path, tokenizer=None) -> Path:
+def _widen(config, hidden: int) -> None:
+    """Every projection `hidden` wide (4 heads of hidden/4, an FFN twice as wide), so that
+    llama.cpp's K-quants (256-wide blocks) apply to every weight row."""
+    config.hidden_size, config.intermediate_size = hidden, 2 * hidden
+    head_dim = hidden // config.num_attention_heads
+    if getattr(config, "head_dim", None):
+        config.head_dim = head_dim
+    if getattr(config, "query_pre_attn_scalar", None):
+        config.query_pre_attn_scalar = head_dim
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":  # one factor per rotated pair
+        rope["short_factor"] = [1.0 + 0.1 * i / (head_dim // 16) for i in range(head_dim // 2)]
+        rope["long_factor"] = [2.0 + 0.5 * i / (head_dim // 16) for i in range(head_dim // 2)]
+
+
+def build_tiny(name: str, out: Path, tokenizer=None, hidden: int | None = None) -> Path:
     """Save tiny model `name` (random weights, seed 0) as an HF directory under `out`; with an
-    HF `tokenizer`, sized for its vocabulary and saved with it (what a GGUF converter needs)."""
+    HF `tokenizer`, sized for its vocabulary and saved with it (what a GGUF converter needs);
+    with `hidden`, widened to that width (see _widen)."""
     from transformers import AutoModelForCausalLM
 
     config = _configs()[name]
+    if hidden is not None:
+        _widen(config, hidden)
     if tokenizer is not None:
         config.vocab_size = len(tokenizer)
         config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id

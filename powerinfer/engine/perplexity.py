@@ -26,6 +26,23 @@ class Perplexity:
     text_tokens: int
 
 
+# byte-level BPE pre-tokenizers for which llama.cpp adds BOS when the file does not say
+# (llama-vocab.cpp: the LLAMA3 group, tekken, chameleon); every other BPE vocabulary adds none
+BPE_PRE_WITH_BOS = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                              "jina-v5-nano", "tekken", "chameleon"})
+
+
+def gguf_adds_bos(metadata: dict) -> bool:
+    """Whether llama.cpp starts a text with BOS for a GGUF with this metadata: the file's
+    tokenizer.ggml.add_bos_token, else its default for the vocabulary type."""
+    if "tokenizer.ggml.add_bos_token" in metadata:
+        return bool(metadata["tokenizer.ggml.add_bos_token"])
+    model = metadata.get("tokenizer.ggml.model")
+    if model == "gpt2":
+        return metadata.get("tokenizer.ggml.pre") in BPE_PRE_WITH_BOS
+    return model in ("llama", "bert")
+
+
 def adds_bos(lm: LoadedModel) -> bool:
     """Whether the model's tokenizer starts a text with BOS (GGUF: tokenizer.ggml.add_bos_token,
     as llama.cpp reads it; an HF tokenizer: whether its encoding does)."""
@@ -35,7 +52,7 @@ def adds_bos(lm: LoadedModel) -> bool:
     if os.path.isfile(lm.path):
         from ..formats.gguf_check import read_header
 
-        return bool(read_header(lm.path, os.path.getsize(lm.path)).metadata.get("tokenizer.ggml.add_bos_token", True))
+        return gguf_adds_bos(read_header(lm.path, os.path.getsize(lm.path)).metadata)
     ids = lm.tokenizer.hf("a")["input_ids"]
     return bool(ids) and ids[0] == bos
 

@@ -30,7 +30,8 @@ sys.path.insert(0, str(HERE))
 from converter import convert_tiny  # noqa: E402
 from perplexity_vs_llamacpp import TOOL, ours, peer  # noqa: E402
 
-FAMILIES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi3_longrope"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi3_longrope", "falcon_mq_parallel",
+            "falcon_new_arch", "falcon_new_arch_1ln"]
 
 
 def make_file(name: str, kind: str, root: Path, hidden: int) -> Path:

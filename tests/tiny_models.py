@@ -55,7 +55,9 @@ def _configs() -> dict:
         "opt": OPTConfig(**opt),
         "opt_proj_postnorm": OPTConfig(**{**opt, "word_embed_proj_dim": 32}, do_layer_norm_before=False),
         "opt_proj_prenorm": OPTConfig(**{**opt, "word_embed_proj_dim": 48}),
-        "falcon_mq_parallel": FalconConfig(**falcon, multi_query=True, parallel_attn=True, bias=False),
+        # num_kv_heads=1 as Falcon-7B's config implies it (transformers ignores it under multi_query;
+        # llama.cpp's converter reads it)
+        "falcon_mq_parallel": FalconConfig(**falcon, multi_query=True, parallel_attn=True, bias=False, num_kv_heads=1),
         "falcon_sequential_bias": FalconConfig(**falcon, multi_query=False, parallel_attn=False, bias=True),
         "falcon_new_arch": FalconConfig(**falcon, new_decoder_architecture=True, num_kv_heads=2),
         "falcon_new_arch_1ln": FalconConfig(**falcon, new_decoder_architecture=True, num_kv_heads=2,
@@ -70,8 +72,10 @@ def _widen(config, hidden: int) -> None:
     """Every projection `hidden` wide (4 heads of hidden/4, an FFN twice as wide), so that
     llama.cpp's K-quants (256-wide blocks) apply to every weight row."""
     config.hidden_size, config.intermediate_size = hidden, 2 * hidden
+    if hasattr(config, "ffn_hidden_size"):  # Falcon: 4 * hidden, as llama.cpp's converter assumes
+        config.ffn_hidden_size = 4 * hidden
     head_dim = hidden // config.num_attention_heads
-    if getattr(config, "head_dim", None):
+    if getattr(config, "head_dim", None) and not isinstance(getattr(type(config), "head_dim", None), property):
         config.head_dim = head_dim
     if getattr(config, "query_pre_attn_scalar", None):
         config.query_pre_attn_scalar = head_dim

@@ -22,7 +22,7 @@ FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "gemma3": (("gemma3_text",), ("gemma3",)),
     "phi3": (("phi3",), ("phi3",)),
     "opt": (("opt",), ()),
-    "falcon": (("falcon", "RefinedWeb", "RefinedWebModel"), ()),
+    "falcon": (("falcon", "RefinedWeb", "RefinedWebModel"), ("falcon",)),
 }
 
 

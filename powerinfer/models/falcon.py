@@ -4,6 +4,10 @@ Old decoder (falcon-7b): one LayerNorm shared by both branches; multi-query (one
 per-head fused [q, k, v]. New decoder (falcon-40b/180b): grouped KV heads with the fused QKV
 laid out per group as [q heads of the group, k, v], and two LayerNorms (ln_attn, ln_mlp)
 unless num_ln_in_parallel_attn == 1.
+
+GGUF (llama.cpp's `falcon` architecture, parallel blocks only): the converter rewrites every
+fused QKV as [all q heads, k heads, v heads] ("jploski" layout), keeps RoPE's half-split
+layout (NEOX), and with two LayerNorms names ln_mlp attn_norm and ln_attn attn_norm_2.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedModelError
+from ..formats.gguf import GGUFFile
 from ..formats.hf import HFCheckpoint
-from .base import ModelArgs, half_split_to_interleaved
+from .base import ModelArgs, half_split_to_interleaved, rope_inv_freq
 from .hf_config import config_object, rope_frequencies
+from .llama import _eos_list
 
 
 
@@ -116,4 +122,76 @@ def state_from_hf(ckpt: HFCheckpoint, args: ModelArgs) -> dict[str, torch.Tensor
         if ffn_norm:
             state[s + "ffn_norm.weight"] = t(p + ffn_norm + ".weight")
             state[s + "ffn_norm.bias"] = t(p + ffn_norm + ".bias")
+    return state
+
+
+# -- GGUF ------------------------------------------------------------------------------------
+def args_from_gguf(g: GGUFFile) -> ModelArgs:
+    layout = g.get("{arch}.tensor_data_layout", "jploski")
+    if layout != "jploski":
+        raise UnsupportedModelError(f"{g.path}: Falcon QKV layout {layout!r} is not supported (jploski is)")
+    d = int(g.require("{arch}.embedding_length"))
+    n_heads = int(g.require("{arch}.attention.head_count"))
+    head_dim = d // n_heads
+    # the converter writes 4 * hidden whatever the checkpoint says; the tensor knows
+    ffn_dim = g.tensor("blk.0.ffn_up.weight").shape[0] if g.has("blk.0.ffn_up.weight") else \
+        int(g.require("{arch}.feed_forward_length"))
+    return ModelArgs(
+        family="falcon",
+        vocab_size=int(g.tensor("token_embd.weight").shape[0]),
+        d_model=d,
+        n_layers=int(g.require("{arch}.block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(g.get("{arch}.attention.head_count_kv", 1)),
+        head_dim=head_dim,
+        ffn_dim=int(ffn_dim),
+        max_seq_len=int(g.get("{arch}.context_length", 2048)),
+        norm="layer",
+        norm_eps=float(g.get("{arch}.attention.layer_norm_epsilon", 1e-5)),
+        rope_inv_freq=rope_inv_freq(head_dim, float(g.get("{arch}.rope.freq_base", 10000.0))),
+        act="gelu",
+        gated_ffn=False,
+        parallel_block=True,
+        tie_embeddings=not g.has("output.weight"),
+        bos_token_id=g.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_eos_list(g.get("tokenizer.ggml.eos_token_id")),
+    )
+
+
+def state_from_gguf(g: GGUFFile, args: ModelArgs) -> dict[str, torch.Tensor | None]:
+    get = g.tensor
+
+    def opt(name: str) -> torch.Tensor | None:
+        return get(name) if g.has(name) else None
+
+    state: dict[str, torch.Tensor | None] = {
+        "embed": get("token_embd.weight"),
+        "final_norm.weight": get("output_norm.weight"),
+        "final_norm.bias": get("output_norm.bias"),
+    }
+    if not args.tie_embeddings:
+        state["lm_head"] = get("output.weight")
+    q_dim, kv_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    for i in range(args.n_layers):
+        p, s = f"blk.{i}.", f"layers.{i}."
+        w = get(p + "attn_qkv.weight")  # whole rows move: quantized blocks stay intact
+        two_norms = g.has(p + "attn_norm_2.weight")
+        attn_norm = p + ("attn_norm_2" if two_norms else "attn_norm")
+        state.update({
+            s + "attn_norm.weight": get(attn_norm + ".weight"),
+            s + "attn_norm.bias": opt(attn_norm + ".bias"),
+            s + "wqkv": torch.cat([half_split_to_interleaved(w[:q_dim], args.n_heads),
+                                   half_split_to_interleaved(w[q_dim:q_dim + kv_dim], args.n_kv_heads),
+                                   w[q_dim + kv_dim:]]),
+            s + "bqkv": None,
+            s + "wo": get(p + "attn_output.weight"),
+            s + "bo": None,
+            s + "ffn.w_in": get(p + "ffn_up.weight"),
+            s + "ffn.b_in": None,
+            s + "ffn.w_out": get(p + "ffn_down.weight"),
+            s + "ffn.b_out": None,
+        })
+        if two_norms:
+            state[s + "ffn_norm.weight"] = get(p + "attn_norm.weight")
+            state[s + "ffn_norm.bias"] = opt(p + "attn_norm.bias")
     return state

@@ -340,12 +340,19 @@ def test_offload_mode_puts_whole_layers_on_the_gpu_tier(relu, gpu_tier):
     check_batch_rows(m, [ids[:9], ids[3:5], ids[5:12]], [ids[-4:], ids[:4], ids[4:8]])  # a server batch, too
 
 
-@pytest.mark.parametrize("name", ["opt", "falcon_sequential_bias", "qwen3", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("name", ["opt", "falcon_sequential_bias", "qwen3", "gemma2", "gemma3", "phi3",
+                                  "gguf:falcon_new_arch"])
 def test_families_oracle_and_sparse(tmp_path, name):
     """OPT (ReLU, fc1/fc2 biases), Falcon (GELU), Qwen3 (q/k norms, gated SiLU), Gemma 2/3
-    (GELU-tanh, post-norms, windows, soft-caps) and Phi-3 (fused weights): oracle at threshold
-    0 is dense; sparse equals the instrumented reference with the same (random) predictors."""
-    path = build_tiny(name, tmp_path)
+    (GELU-tanh, post-norms, windows, soft-caps) and Phi-3 (fused weights), and a Falcon GGUF
+    made by llama.cpp's converter: oracle at threshold 0 is dense; sparse equals the
+    instrumented reference with the same (random) predictors."""
+    if name.startswith("gguf:"):
+        from converter import convert_tiny
+
+        path = convert_tiny(name[5:], tmp_path)[1]
+    else:
+        path = build_tiny(name, tmp_path)
     lm = powerinfer.load(str(path), with_tokenizer=False)
     a = lm.args
     h = content_hash(str(path))

@@ -184,7 +184,7 @@ def test_an_unsupported_architecture_is_refused_before_torch_loads(tmp_path, kin
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        fragment = "unsupported GGUF architecture 'mamba'; supported: gemma2, gemma3, llama, phi3, qwen2, qwen3"
+        fragment = "unsupported GGUF architecture 'mamba'; supported: falcon, gemma2, gemma3, llama, phi3, qwen2, qwen3"
     else:
         path = tmp_path / "mamba"
         path.mkdir()

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import cpu, decode, panels, quant, quant_sparse, sparse_cpu
+from . import cpu, decode, panels, quant, quant_sparse, quant_torch, sparse_cpu
 from .activations import activation_id, maybe_activation
 from .criterion import Criterion, apply as apply_criterion
 from .numba_half import numpy_weights
@@ -136,7 +136,7 @@ def output(rows: FFNRows, spec: FFNSpec, x: torch.Tensor, idx: torch.Tensor | No
             add_into(rows, spec, xs, rows.all_rows_np if idx is None else idx.numpy(), criterion, out)
         return torch.from_numpy(out)
     if rows.quant:
-        out = _quant_batch(rows, spec, x, idx, criterion)
+        out = (_quant_batch if rows.numba else _quant_torch)(rows, spec, x, idx, criterion)
         return out if base is None else out.add_(base)
     xd = x.to(rows.device, non_blocking=True)
     if idx is None:
@@ -196,10 +196,8 @@ def _values(spec: FFNSpec, g: torch.Tensor, u: torch.Tensor | None, criterion: C
 
 def _quant_batch(rows: FFNRows, spec: FFNSpec, x: torch.Tensor, idx: torch.Tensor | None,
                  criterion: Criterion) -> torch.Tensor:
-    """A batch over quantized rows (prefill): every row widened tile by tile for torch's GEMM,
+    """A batch over a CPU block's quantized rows (prefill): the block kernels over every row,
     neurons outside `idx` zeroed."""
-    if rows.device.type != "cpu":
-        raise NotImplementedError("quantized rows are read on the CPU tier only")
     g = quant.matmul(rows.w_gate, x, rows.b_in)
     u = quant.matmul(rows.w_up, x) if spec.gated else None
     h = _values(spec, g, u, criterion)
@@ -208,6 +206,20 @@ def _quant_batch(rows: FFNRows, spec: FFNSpec, x: torch.Tensor, idx: torch.Tenso
         keep[idx] = True
         h = h * keep
     return quant.matmul_t(rows.wt_down, h)
+
+
+def _quant_torch(rows: FFNRows, spec: FFNSpec, x: torch.Tensor, idx: torch.Tensor | None,
+                 criterion: Criterion) -> torch.Tensor:
+    """The FFN over quantized rows with torch ops on the rows' device (the GPU tier): only the
+    rows of `idx` (all when None) widened (ops/quant_torch.py), then fp32 GEMMs."""
+    dev = rows.device
+    xd = x.to(dev, non_blocking=True).float()
+    i = None if idx is None else idx.to(dev, non_blocking=True)
+    g = xd @ quant_torch.rows(rows.w_gate, i).t()
+    if rows.b_in is not None:
+        g = g + (rows.b_in.float() if i is None else rows.b_in.float()[i])
+    u = xd @ quant_torch.rows(rows.w_up, i).t() if spec.gated else None
+    return (_values(spec, g, u, criterion) @ quant_torch.rows(rows.wt_down, i)).to("cpu")
 
 
 def _torch_dense(rows: FFNRows, spec: FFNSpec, x: torch.Tensor, criterion: Criterion) -> torch.Tensor:

@@ -122,13 +122,24 @@ def load_hardware(name_or_path: str) -> HardwareProfile:
 
 # -- bytes ------------------------------------------------------------------------------------
 # Bytes per weight of each storage type (GGML block formats include their scales).
-WEIGHT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32}
+WEIGHT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
+                "q5_0": 22 / 32, "q5_1": 24 / 32, "q4_k": 144 / 256, "q5_k": 176 / 256, "q6_k": 210 / 256}
+
+
+def split_types(dtype: str) -> tuple[str, str]:
+    """("rows type", "down type") of a weight type: "q4_k+q8_0" names a packed quantized model's
+    gate/up rows (the source's blocks) and its transposed down projection (requantized to
+    Q8_0); a plain type is both."""
+    rows, _, down = dtype.partition("+")
+    for t in (rows, down or rows):
+        if t not in WEIGHT_BYTES:
+            raise BadArgumentError(f"unknown weight type {t!r} (known: {', '.join(WEIGHT_BYTES)}, or ROWS+DOWN)")
+    return rows, down or rows
 
 
 def weight_bytes(dtype: str) -> float:
-    if dtype not in WEIGHT_BYTES:
-        raise BadArgumentError(f"unknown weight type {dtype!r} (known: {', '.join(WEIGHT_BYTES)})")
-    return WEIGHT_BYTES[dtype]
+    """Bytes per weight of `dtype` (the rows type of a ROWS+DOWN pair)."""
+    return WEIGHT_BYTES[split_types(dtype)[0]]
 
 
 @dataclass(frozen=True)
@@ -149,9 +160,12 @@ class ModelShape:
 
     def neuron_bytes(self, dtype: str) -> int:
         """Bytes of one FFN neuron: its gate and up rows and its down column (or fc1 row and
-        fc2 column), in the weight type, plus its fc1 bias in fp32 when the FFN has biases."""
-        mats = 3 if self.gated else 2
-        return int(math.ceil(mats * self.d_model * weight_bytes(dtype))) + (4 if self.ffn_bias else 0)
+        fc2 column), in the weight type (a ROWS+DOWN pair: each in its own), plus its fc1
+        bias in fp32 when the FFN has biases."""
+        rows, down = split_types(dtype)
+        n_rows = 2 if self.gated else 1
+        return (int(math.ceil(n_rows * self.d_model * WEIGHT_BYTES[rows])) + int(math.ceil(self.d_model * WEIGHT_BYTES[down]))
+                + (4 if self.ffn_bias else 0))
 
     def attention_bytes(self, dtype: str) -> int:
         """One layer's q, k, v and o projections plus its norms (fp32)."""

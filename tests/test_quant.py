@@ -394,6 +394,15 @@ def test_packed_default_model_keeps_its_blocks(smollm2_path, tmp_path):
     assert quant.format_of(ffn.cpu.w_gate) == "Q4_1" and quant.format_of(ffn.cpu.wt_down) == "Q8_0"
     assert ffn.gpu.n == a.ffn_dim // 4 and quant.is_quantized(ffn.gpu.w_up)
     assert lanes.is_lanes(lm.model.layers[0].attn.qkv.weight)  # dense parts stay blocks too (as lanes)
+    # the solver's bytes per neuron for a native pack are the GPU tier's real bytes
+    from powerinfer.hardware import shape_of_args
+    from powerinfer.offline.prepare import native_weight_types
+
+    weights = native_weight_types(smollm2_path)
+    tier_bytes = sum(t.numel() * t.element_size() for layer in lm.model.layers
+                     for t in (layer.ffn.gpu.w_gate, layer.ffn.gpu.w_up, layer.ffn.gpu.wt_down))
+    assert weights == "q4_1+q8_0"
+    assert tier_bytes == a.n_layers * (a.ffn_dim // 4) * shape_of_args(a).neuron_bytes(weights)
     ids = torch.tensor(native.tokenizer.encode("The capital of France is"))
     m, ref = lm.model, native.model
     prefill = m.forward(ids, m.new_cache(64), all_logits=True)  # tiles, both tiers

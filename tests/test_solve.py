@@ -136,6 +136,18 @@ def test_cli_solve_writes_placement_and_refuses_bad_input(tmp_path):
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, (budget, r.stderr)
     r = run_cli_here("solve", "--profile", str(tmp_path / "syn"), "--shape", "llama-13b", "-o", str(tmp_path / "y.json"))
     assert r.returncode == 2 and "layers" in r.stderr
+    # a native Q4_K_M pack: Q4_K gate/up rows and a Q8_0 down column per neuron, in the budget
+    q = tmp_path / "q.json"
+    r = run_cli_here("solve", "--profile", str(tmp_path / "syn"), "--shape", "llama-7b", "--hardware", "rtx2080ti",
+                     "--vram-budget", "2GiB", "--weights", "q4_k+q8_0", "-o", str(q))
+    assert r.returncode == 0, r.stderr
+    doc_q = json.loads(q.read_text())
+    assert doc_q["budget"]["neuron_bytes"] == 2 * 4096 * 144 // 256 + 4096 * 34 // 32
+    assert 0 <= doc_q["budget"]["free"] and doc_q["budget"]["neurons"] == sum(
+        len(layer["gpu_neurons"]) for layer in doc_q["layers"]) * doc_q["budget"]["neuron_bytes"]
+    r = run_cli_here("solve", "--profile", str(tmp_path / "syn"), "--shape", "llama-7b", "--weights", "q3_k",
+                     "-o", str(tmp_path / "w.json"))
+    assert r.returncode == 2 and "unknown weight type 'q3_k'" in r.stderr and "Traceback" not in r.stderr
     r = run_cli_here("solve", "--profile", str(tmp_path / "syn"), "--shape", "llama-7b", "-o", str(out))
     assert r.returncode == 2 and "--force" in r.stderr
 

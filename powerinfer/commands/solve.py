@@ -10,10 +10,18 @@ import argparse
 import os
 
 from ..errors import BadArgumentError
-from ..hardware import KNOWN_SHAPES, WEIGHT_BYTES, load_hardware, offload_baseline
+from ..hardware import KNOWN_SHAPES, load_hardware, offload_baseline, split_types
 from ..offline.solve import shape_from_manifest
 from ..paths import check_output_file, write_json
 from ..units import format_size, parse_size
+
+
+def _weight_type(value: str) -> str:
+    try:
+        split_types(value)
+    except BadArgumentError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,7 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model shape for a shape-only (synthetic) profile")
     p.add_argument("--hardware", default="rtx4090", help="built-in (rtx4090, rtx2080ti, h200, cpu) or a JSON/TOML file")
     p.add_argument("--vram-budget", default=None, help="GPU bytes to use, e.g. 6GiB (default: all of the GPU)")
-    p.add_argument("--weights", default="fp16", choices=sorted(WEIGHT_BYTES), help="weight storage type (default fp16)")
+    p.add_argument("--weights", default="fp16", type=_weight_type,
+                   help="weight storage type on the GPU: fp32, fp16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, "
+                        "q6_k, or ROWS+DOWN for a native pack (q4_k+q8_0: gate/up rows q4_k, down column q8_0; "
+                        "default fp16)")
     p.add_argument("--group-size", type=int, default=64, help="neurons per ILP decision (default 64)")
     p.add_argument("--objective", choices=["time", "impact"], default="time",
                    help="minimise predicted time (default) or maximise GPU activation mass (the paper's)")

@@ -90,7 +90,7 @@ def prepare(model_path: str | None, s: PrepareSettings, lm=None) -> str:
 
     profile = _profile(lm, cache, model_hash, s)
     predictors = _predictors(lm, profile, cache, model_hash, s, hw)
-    placement = _placement(profile, hw, budget, cache, model_hash, s)
+    placement = _placement(profile, hw, budget, cache, model_hash, s, path)
     _log(f"packing into {packed_dir}")
     pack_model(path, packed_dir, profile, predictors, placement, s.dtype, force=True, prepare_request=request,
                predictors_hash=_predictors_hash(cache))
@@ -236,7 +236,51 @@ def _predictors(lm, profile: Profile, cache, model_hash: str, s: PrepareSettings
     return preds
 
 
-def _placement(profile: Profile, hw, budget: int, cache, model_hash: str, s: PrepareSettings) -> dict | None:
+# GGUF tensor types -> the cost model's weight types (hardware.WEIGHT_BYTES); other quantized
+# types are widened to bf16 at load
+_GGUF_WEIGHT_TYPES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1",
+                      "Q5_0": "q5_0", "Q5_1": "q5_1", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+
+
+def native_weight_types(path: str) -> str:
+    """The weight type a native pack of the model at `path` puts on the GPU tier, as the
+    solver's ROWS+DOWN pair: the gate/up (fc1) rows in the file's format (the widest over the
+    layers), the down projection requantized to Q8_0 when it was quantized (offline/pack.py).
+    An HF checkpoint keeps its float dtype."""
+    import os
+
+    import torch
+
+    from ..hardware import WEIGHT_BYTES
+
+    if os.path.isdir(path):
+        from ..formats.hf import open_hf_dir
+
+        ckpt = open_hf_dir(path)
+        ffn = [n for n in ckpt.tensor_names() if n.endswith(".weight") and any(
+            k in n for k in ("mlp.", "dense_h_to_4h", ".fc1."))]
+        dtype = ckpt.tensor(ffn[0]).dtype if ffn else None
+        return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
+    from ..formats.gguf_check import read_header
+
+    tensors = read_header(path, os.path.getsize(path)).tensors
+    rows, down = set(), set()
+    for name, t in tensors.items():
+        kind = _GGUF_WEIGHT_TYPES.get(t.tensor_type.name, "bf16")
+        if name.endswith((".ffn_gate.weight", ".ffn_up.weight")):
+            rows.add(kind)
+        elif name.endswith(".ffn_down.weight"):
+            down.add("q8_0" if kind.startswith("q") else kind)
+    if not rows:
+        raise BadArgumentError(f"{path}: no FFN weights (ffn_gate/ffn_up) in the file")
+    widest = lambda kinds: max(kinds, key=lambda k: WEIGHT_BYTES[k])  # noqa: E731
+    r = widest(rows)
+    d = widest(down) if down else r
+    return r if d == r else f"{r}+{d}"
+
+
+def _placement(profile: Profile, hw, budget: int, cache, model_hash: str, s: PrepareSettings,
+               path: str) -> dict | None:
     if not hw.has_gpu:
         _log(f"hardware {hw.name} has no GPU: every neuron on the CPU tier (step 3 of 4 skipped)")
         return None
@@ -254,8 +298,13 @@ def _placement(profile: Profile, hw, budget: int, cache, model_hash: str, s: Pre
             pass
     _log(f"solving the placement for {hw.name} (step 3 of 4)")
     shape = shape_from_manifest(profile.manifest)
-    problem, best = solve_auto(lambda dense: build_problem(profile, shape, hw, budget, s.weights, dense_on_gpu=dense))
+    weights, dense_ok = s.weights, True
+    if s.dtype == "native":  # the GPU tier holds the file's blocks: their real bytes per neuron
+        weights, dense_ok = native_weight_types(path), False  # dense layers of blocks run on the CPU
+        _log(f"the solver counts {weights} bytes per neuron (gate/up rows + down column, as packed)")
+    problem, best = solve_auto(lambda dense: build_problem(profile, shape, hw, budget, weights,
+                                                           dense_on_gpu=dense and dense_ok))
     doc = placement_document(problem, best, {"greedy": greedy(problem)},
-                             offload_baseline(shape, hw, s.weights, budget), model_hash, profile.path)
+                             offload_baseline(shape, hw, weights, budget), model_hash, profile.path)
     write_json(str(out), doc, indent=None)
     return doc

@@ -270,6 +270,23 @@ def test_fused_qkv_of_mixed_formats_keeps_each_part(tmp_path):
         layer.fused_decode = True
     got, want = torch.stack([native.forward(t[None], fused) for t in tokens[6:9]]), torch.stack(want)
     assert (got - want).abs().max() < 1e-4 * want.abs().max()
+    # packed (native): the parts stay blocks there too, and oracle mode is the dense model
+    # but for the down projection's Q8_0 requantization
+    from powerinfer.engine.packed import load_packed
+    from powerinfer.offline.pack import pack_model
+    from powerinfer.offline.stats import LayerStats, Profile
+    from powerinfer.paths import content_hash
+
+    a = powerinfer.load(str(path), dtype="native", with_tokenizer=False).args
+    prof = Profile([LayerStats(np.arange(a.ffn_dim, dtype=np.int64), 100, 0.0) for _ in range(a.n_layers)],
+                   {"model": {"hash": content_hash(str(path))}, "criterion": "gate_up"})
+    pack_model(str(path), str(tmp_path / "packed"), prof, None, None, "native")
+    packed = load_packed(str(tmp_path / "packed"), mode="oracle", dtype="native", with_tokenizer=False).model
+    pw = packed.layers[0].attn.qkv.w
+    assert isinstance(pw, PartsWeight) and pw.quant_format == "Q8_0+Q8_0+Q4_0"
+    got = packed.forward(tokens, packed.new_cache(16), all_logits=True)
+    assert torch.equal(got.argmax(-1), prefill.argmax(-1)) and (got - prefill).abs().max() < 0.05 * (
+        prefill.max() - prefill.min())
 
 
 def test_releasing_copied_file_pages_keeps_every_value(smollm2_path):

@@ -177,8 +177,8 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-tier")
         for f in ffns:
             f.executor = executor
-    dense_state = {k: v for name in SHARDS for k, v in shards[name].items() if ".ffn.gpu." not in k
-                   and ".ffn.cpu." not in k and ".predictor." not in k and not k.endswith(".ffn.b_out")}
+    dense_state = _with_parts({k: v for name in SHARDS for k, v in shards[name].items() if ".ffn.gpu." not in k
+                               and ".ffn.cpu." not in k and ".predictor." not in k and not k.endswith(".ffn.b_out")})
     problem = args.shape_problem(dense_state)
     if problem:
         raise PackedModelError(f"{path}: the manifest's args disagree with the shards ({problem})")
@@ -191,6 +191,22 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
     engine = PackedEngine(path, manifest, plan, stats, str(dev))
     tokenizer = _tokenizer(path, args) if with_tokenizer else None
     return LoadedModel(model=model, tokenizer=tokenizer, path=manifest.source.path, packed=engine)
+
+
+def _with_parts(state: dict) -> dict:
+    """`state` with each matrix stored as KEY.part0, KEY.part1, ... (row blocks of different
+    GGUF formats: Q4_K_M's fused QKV) put back together as one `QuantParts` under KEY."""
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    out = {}
+    for k, v in state.items():
+        key, dot, tail = k.rpartition(".part")
+        if dot and tail.isdigit():
+            parts.setdefault(key, {})[int(tail)] = v
+        else:
+            out[k] = v
+    for key, got in parts.items():
+        out[key] = quant.QuantParts([got[j] for j in range(len(got))])
+    return out
 
 
 def _layer_ffn(shards: dict, manifest: PackedManifest, plan: LoadPlan, i: int, args: ModelArgs, dev: torch.device,

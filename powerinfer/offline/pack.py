@@ -110,8 +110,10 @@ def pack_model(model_path: str | None, out_dir: str, profile: Profile, predictor
     for key, t in state.items():
         if t is None or _is_ffn_key(key):
             continue
-        if isinstance(t, quant.QuantParts):  # the packed format holds one tensor per matrix
-            t = t.widened()
+        if isinstance(t, quant.QuantParts):  # each part in its blocks, as KEY.partJ (engine/packed.py)
+            for j, part in enumerate(t.parts):
+                dense_shard[f"{key}.part{j}"] = part.contiguous()
+            continue
         # matrices in the packed dtype; norms and biases (1-D) stay fp32, as the engine keeps them
         dense_shard[key] = as_packed(t) if t.dim() >= 2 else t.float().contiguous()
     layer_info = []

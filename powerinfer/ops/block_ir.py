@@ -45,6 +45,7 @@ _VB32, _VB16 = ir.VectorType(_I8, 32), ir.VectorType(_I8, 16)
 # tile but not in the GEMV, and the two rounded apart.
 _FUSE = ("contract",)
 K_BLOCK_BYTES = (144, 176, 210)  # Q4_K, Q5_K, Q6_K: 256 weights per block; the others 32
+PREBIASED = -1  # a run's bias shift when its records' 4-sums already carry -bias (Q6_K)
 
 
 def per_block(bb: int) -> int:
@@ -127,7 +128,8 @@ def _quantize_into(v, bb, out):
                 q = np.int32(np.rint(_mul32(v[32 * blk + 4 * g + j], inv)))
                 q8[base + 32 * k + 4 * g + j] = q
                 gsum += q
-            i32[(base + P) // 4 + 8 * k + g] = gsum
+            # Q6_K's bias (32) taken off in the record: the dot starts from -32 x the 4-sum
+            i32[(base + P) // 4 + 8 * k + g] = gsum * -32 if bb == 210 else gsum
             total += gsum
         f32[(base + P + 32 * n) // 4 + k] = d
         f32[(base + P + 36 * n) // 4 + k] = _mul32(d, np.float32(total))
@@ -208,14 +210,17 @@ def _idot(builder: ir.IRBuilder, isa: str, q: ir.Value, signed: bool, a: ir.Valu
           bias_shift: int | None) -> ir.Value:
     """Eight int32 sums, lane i = sum over bytes 4i..4i+3 of (q - bias) * a, exact: q 32
     weight quants (unsigned bytes, or int8 when signed), a 32 int8 activations, gs their
-    eight 4-sums, bias = 2**bias_shift (None: no bias)."""
+    eight 4-sums, bias = 2**bias_shift (None: no bias; PREBIASED: gs already holds -bias x
+    the 4-sums, as Q6_K's records do)."""
     zero = ir.Constant(_VI8, [0] * 8)
 
     def minus_bias(x: ir.Value, shift: int) -> ir.Value:
+        if shift == PREBIASED:
+            return builder.add(x, gs)
         return builder.sub(x, builder.shl(gs, ir.Constant(_VI8, [shift] * 8)))
 
     if isa == "vnni":
-        init = zero if bias_shift is None else minus_bias(zero, bias_shift)
+        init = zero if bias_shift is None else (gs if bias_shift == PREBIASED else minus_bias(zero, bias_shift))
         if signed:  # |q| times a with q's sign (the abs is shared by the vectors: CSE)
             a = _call(builder, "llvm.x86.avx2.psign.b", _VB32, [a, q])
             q = _call(builder, "llvm.abs.v32i8", _VB32, [q, ir.Constant(ir.IntType(1), 0)])
@@ -298,10 +303,14 @@ def _block_runs(builder: ir.IRBuilder, p: ir.Value, bb: int):
             a, c = _load(builder, p, 64 * half, _VB32), _load(builder, p, 64 * half + 32, _VB32)
             h = _load(builder, p, 128 + 32 * half, _VB32)
             for kk, (src, high, shift) in enumerate([(a, False, 0), (c, False, 2), (a, True, 4), (c, True, 6)]):
-                top = builder.shl(builder.and_(builder.lshr(h, _bytes_const(shift)), _bytes_const(3)), _bytes_const(4))
+                # bits shift..shift+1 of h moved to bits 4-5 in one shift and one mask (x86 has
+                # no byte shifts: each costs a word shift and a mask)
+                moved = builder.shl(h, _bytes_const(4 - shift)) if shift < 4 else (
+                    builder.lshr(h, _bytes_const(shift - 4)) if shift > 4 else h)
+                top = builder.and_(moved, _bytes_const(0x30))
                 k = 4 * half + kk
                 lanes = builder.shuffle_vector(scales, scales, ir.Constant(_VI8, [2 * k] * 4 + [2 * k + 1] * 4))
-                runs.append((builder.or_(_nibbles(builder, src, high), top), False, 5, k, lanes))
+                runs.append((builder.or_(_nibbles(builder, src, high), top), False, PREBIASED, k, lanes))
         return runs, []
     # Q4_K (144), Q5_K (176): 8 sub-blocks of 32, d sc_j q - dmin m_j; the 32 bytes of pair
     # p hold sub-block 2p in their low nibbles and 2p + 1 in their high ones

@@ -164,8 +164,8 @@ class ModelShape:
         bias in fp32 when the FFN has biases."""
         rows, down = split_types(dtype)
         n_rows = 2 if self.gated else 1
-        return (int(math.ceil(n_rows * self.d_model * WEIGHT_BYTES[rows])) + int(math.ceil(self.d_model * WEIGHT_BYTES[down]))
-                + (4 if self.ffn_bias else 0))
+        row_bytes = int(math.ceil(n_rows * self.d_model * WEIGHT_BYTES[rows]))
+        return row_bytes + int(math.ceil(self.d_model * WEIGHT_BYTES[down])) + (4 if self.ffn_bias else 0)
 
     def attention_bytes(self, dtype: str) -> int:
         """One layer's q, k, v and o projections plus its norms (fp32)."""

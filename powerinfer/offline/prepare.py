@@ -236,10 +236,9 @@ def _predictors(lm, profile: Profile, cache, model_hash: str, s: PrepareSettings
     return preds
 
 
-# GGUF tensor types -> the cost model's weight types (hardware.WEIGHT_BYTES); other quantized
-# types are widened to bf16 at load
-_GGUF_WEIGHT_TYPES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1",
-                      "Q5_0": "q5_0", "Q5_1": "q5_1", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+# GGUF float tensor types -> the cost model's names (hardware.WEIGHT_BYTES); the block formats
+# the engine keeps (ops/quant.FORMATS) are their lower-case names, other types widen to bf16
+_GGUF_FLOAT_TYPES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}
 
 
 def native_weight_types(path: str) -> str:
@@ -247,11 +246,10 @@ def native_weight_types(path: str) -> str:
     solver's ROWS+DOWN pair: the gate/up (fc1) rows in the file's format (the widest over the
     layers), the down projection requantized to Q8_0 when it was quantized (offline/pack.py).
     An HF checkpoint keeps its float dtype."""
-    import os
-
     import torch
 
     from ..hardware import WEIGHT_BYTES
+    from ..ops import quant
 
     if os.path.isdir(path):
         from ..formats.hf import open_hf_dir
@@ -266,7 +264,8 @@ def native_weight_types(path: str) -> str:
     tensors = read_header(path, os.path.getsize(path)).tensors
     rows, down = set(), set()
     for name, t in tensors.items():
-        kind = _GGUF_WEIGHT_TYPES.get(t.tensor_type.name, "bf16")
+        ggml = t.tensor_type.name
+        kind = ggml.lower() if ggml in quant.FORMATS else _GGUF_FLOAT_TYPES.get(ggml, "bf16")
         if name.endswith((".ffn_gate.weight", ".ffn_up.weight")):
             rows.add(kind)
         elif name.endswith(".ffn_down.weight"):

@@ -220,7 +220,7 @@ def _idot(builder: ir.IRBuilder, isa: str, q: ir.Value, signed: bool, a: ir.Valu
         return builder.sub(x, builder.shl(gs, ir.Constant(_VI8, [shift] * 8)))
 
     if isa == "vnni":
-        init = zero if bias_shift is None else (gs if bias_shift == PREBIASED else minus_bias(zero, bias_shift))
+        init = zero if bias_shift is None else minus_bias(zero, bias_shift)
         if signed:  # |q| times a with q's sign (the abs is shared by the vectors: CSE)
             a = _call(builder, "llvm.x86.avx2.psign.b", _VB32, [a, q])
             q = _call(builder, "llvm.abs.v32i8", _VB32, [q, ir.Constant(ir.IntType(1), 0)])

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The one prepared run for a lent GPU machine (#6, #7): the CUDA tests, `prepare` and
-# `generate` on the GPU, `bench ops` with CUDA tensors, and the hybrid engine against
-# whole-layer offload at 40% of the model in VRAM.
+# The one prepared run for a lent GPU machine (#6, #7, #19): the CUDA tests (quantized GPU
+# tier included), `prepare` and `generate` on the GPU (16-bit and native Q4_1 hot rows),
+# `bench ops` with CUDA tensors, the hybrid engine against whole-layer offload at 40% of the
+# model in VRAM, and the hybrid engine with Q4_0 hot rows against the same model CPU-only.
 #
 # Here, once:   python benchmarks/gpu_check_prepare.py      (fills .gpu/, 37 MiB, git-ignored)
 # There:        device run, carry [".gpu"], timeout_s 590:
 #               bash benchmarks/gpu_check.sh
 # Logs and the plot land in $OUT (the device tool brings them back). LAYERS (default 8) sets
-# the hybrid benchmark's model size; each step has its own time limit so that one hang still
+# the hybrid benchmarks' model size; each step has its own time limit so that one hang still
 # leaves the others' results. GPU_CHECK_ON_CPU=1 runs the same steps without a GPU, tiny
 # (a smoke test of this script; the speeds mean nothing).
 set -uo pipefail
@@ -21,8 +22,10 @@ PY=${PYTHON:-python3}
 THREADS=$(nproc)
 if [ "${GPU_CHECK_ON_CPU:-0}" = 1 ]; then
   DEVICE=cpu; HW=(--hardware rtx4090); OPS=(--rows 512 --cols 256 --repeats 1); HYBRID=(--layers 4 --d-model 512 --ffn-dim 2048 --heads 8 --hardware rtx4090 --vram-fraction 0.8)
+  HYBRID_Q4=(--layers 2 --d-model 2048 --ffn-dim 8192 --heads 16 --hardware rtx4090 --vram-fraction 0.8)
 else
-  DEVICE=cuda; HW=(); OPS=(--repeats 5); HYBRID=(--layers "${LAYERS:-8}" --vram-fraction 0.4)
+  DEVICE=cuda; HW=(); OPS=(--repeats 5); HYBRID=(--layers "${LAYERS:-4}" --vram-fraction 0.4)
+  HYBRID_Q4=(--layers "${LAYERS:-4}" --vram-fraction 0.4)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/gpu.txt"
 fi
 $PY -c "import torch, numba; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'numba', numba.__version__)" | tee -a "$OUT/gpu.txt"
@@ -36,19 +39,26 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
   echo "== $name: exit $rc after $((SECONDS - t0))s"
   [ $rc = 0 ] || status=1
 }
-# In order of what the issues ask for, limits summing to 570 s (run it with timeout_s 590):
-TESTS=(tests/test_ops_sparse.py tests/test_packed.py)
+# In order of what the issues ask for, limits summing to 560 s (run it with timeout_s 580):
+TESTS=(tests/test_ops_sparse.py tests/test_packed.py tests/test_quant_torch.py tests/test_quant.py)
 if [ "$DEVICE" = cuda ]; then
-  step tests 150 $PY -m pytest -q -x -p no:cacheprovider -n 4 -k cuda "${TESTS[@]}"
+  step tests 130 $PY -m pytest -q -p no:cacheprovider -n 4 -k cuda "${TESTS[@]}"
 else
-  step tests 150 $PY -m pytest -q -x -p no:cacheprovider -k "cuda or split_computes" "${TESTS[@]}"
+  step tests 130 $PY -m pytest -q -p no:cacheprovider -k "cuda or split_computes" "${TESTS[@]}"
 fi
-step bench_hybrid 200 $PY -m powerinfer.cli bench hybrid "${HYBRID[@]}" -t "$THREADS" --tokens 32 --rounds 3 --dir /tmp/gpu_check_hybrid
-step bench_ops 60 $PY -m powerinfer.cli bench ops --device "$DEVICE" --dtypes fp16,bf16 "${OPS[@]}" --plot "$OUT/bench_ops_$DEVICE.png"
 # the user's path: prepare (profile, train, solve for this GPU, pack, check) the two-layer
-# SmolLM2, then generate with the prepared model (auto mode) and the offload baseline
-step prepare 100 $PY -m powerinfer.cli prepare "${HW[@]}" --vram-budget 128MiB --prompts 64 --heldout 8 --max-tokens 128 -t "$THREADS"
-step generate 60 bash -c "$PY -m powerinfer.cli generate -p 'The sea is' -n 24 --temperature 0 --stats -t $THREADS \
+# SmolLM2, then generate with the prepared model (auto mode) and the offload baseline;
+# then the same with the file's own Q4_1 blocks (native) as the GPU tier's hot rows
+PREPARE=(--vram-budget 128MiB --prompts 48 --heldout 8 --max-tokens 96 -t "$THREADS")
+step prepare 80 $PY -m powerinfer.cli prepare "${HW[@]}" "${PREPARE[@]}"
+step generate 40 bash -c "$PY -m powerinfer.cli generate -p 'The sea is' -n 24 --temperature 0 --stats -t $THREADS \
   && $PY -m powerinfer.cli generate -p 'The sea is' -n 24 --temperature 0 --stats --mode offload -t $THREADS"
+step prepare_native 80 env POWERINFER_CACHE=/tmp/powerinfer-cache-native $PY -m powerinfer.cli prepare "${HW[@]}" \
+  "${PREPARE[@]}" --dtype native
+step generate_native 30 env POWERINFER_CACHE=/tmp/powerinfer-cache-native $PY -m powerinfer.cli generate \
+  -p 'The sea is' -n 24 --temperature 0 --stats --mode sparse -t "$THREADS"
+step bench_hybrid 100 $PY -m powerinfer.cli bench hybrid "${HYBRID[@]}" -t "$THREADS" --tokens 32 --rounds 3
+step bench_hybrid_q4_0 70 $PY -m powerinfer.cli bench hybrid "${HYBRID_Q4[@]}" --dtype q4_0 -t "$THREADS" --tokens 32 --rounds 3
+step bench_ops 30 $PY -m powerinfer.cli bench ops --device "$DEVICE" --dtypes fp16,bf16 "${OPS[@]}" --plot "$OUT/bench_ops_$DEVICE.png"
 echo "gpu_check: $([ $status = 0 ] && echo all steps passed || echo some step failed); logs in $OUT"
 exit $status

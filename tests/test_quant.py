@@ -343,7 +343,7 @@ def test_ffn_over_quantized_rows_matches_reference(fmt, gated, tokens, subset):
         torch.testing.assert_close(got, expected, atol=3e-4, rtol=1e-3)
 
 
-def test_sparse_mode_on_quantized_rows(smollm2_path, tmp_path):
+def test_sparse_mode_on_quantized_rows(smollm2_path, tmp_path, gpu_tier):
     """Predicted neurons over quantized rows, split across both tiers: a predictor that
     selects every neuron computes exactly the oracle model; a selective one computes fewer
     neurons, from both tiers."""
@@ -378,16 +378,20 @@ def test_sparse_mode_on_quantized_rows(smollm2_path, tmp_path):
     every, some = str(tmp_path / "every"), str(tmp_path / "some")
     pack_model(smollm2_path, every, prof, predictors(-1e9), placement, "native")
     pack_model(smollm2_path, some, prof, predictors(0.5), placement, "native")
-    oracle = decode(load_packed(every, mode="oracle", dtype="native", with_tokenizer=False))
-    all_predicted = load_packed(every, mode="sparse", dtype="native", with_tokenizer=False, predictor_bypass=None)
-    torch.testing.assert_close(decode(all_predicted), oracle, atol=1e-3, rtol=1e-4)
-    selective = load_packed(some, mode="sparse", dtype="native", with_tokenizer=False, predictor_bypass=None)
+    def load(path, mode):
+        return load_packed(path, mode=mode, dtype="native", with_tokenizer=False, predictor_bypass=None,
+                           gpu_device=gpu_tier, gpu_dtype="fp32")
+
+    oracle = decode(load(every, "oracle"))
+    all_predicted = load(every, "sparse")
+    torch.testing.assert_close(decode(all_predicted).cpu(), oracle.cpu(), atol=1e-3, rtol=1e-4)
+    selective = load(some, "sparse")
     out = decode(selective)
     st = selective.ffn_stats
     assert torch.isfinite(out).all() and 0.2 < st.active_fraction < 0.8 and 0 < st.gpu_share < 1
 
 
-def test_packed_default_model_keeps_its_blocks(smollm2_path, tmp_path):
+def test_packed_default_model_keeps_its_blocks(smollm2_path, tmp_path, gpu_tier):
     """pack --dtype native: gate/up rows stay Q4_1 blocks, the down projection becomes Q8_0
     rows; oracle mode at threshold 0 is the dense model (up to the Q8_0 requantization), the
     split tiers compute each neuron once, and prefill works through the tiles."""
@@ -406,8 +410,9 @@ def test_packed_default_model_keeps_its_blocks(smollm2_path, tmp_path):
     placement = {"format": "powerinfer-placement", "layers": [{"gpu_neurons": s.tolist()} for s in sets]}
     out = str(tmp_path / "packed")
     pack_model(smollm2_path, out, prof, None, placement, "native")
-    lm = load_packed(out, mode="oracle", dtype="native", with_tokenizer=False)
+    lm = load_packed(out, mode="oracle", dtype="native", with_tokenizer=False, gpu_device=gpu_tier, gpu_dtype="fp32")
     ffn = lm.model.layers[0].ffn
+    assert ffn.gpu.w_up.device.type == gpu_tier
     assert quant.format_of(ffn.cpu.w_gate) == "Q4_1" and quant.format_of(ffn.cpu.wt_down) == "Q8_0"
     assert ffn.gpu.n == a.ffn_dim // 4 and quant.is_quantized(ffn.gpu.w_up)
     assert lanes.is_lanes(lm.model.layers[0].attn.qkv.weight)  # dense parts stay blocks too (as lanes)

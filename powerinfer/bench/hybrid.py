@@ -12,6 +12,11 @@ Both engines get the same GPU budget, `--vram-fraction` of the model's 16-bit we
 * offload (`--mode offload`): whole layers on the GPU while they fit the budget after the LM
   head, the rest dense on the CPU, as llama.cpp's `-ngl` does.
 
+With `--dtype q4_0` the planted file is Q4_0 and both tiers keep its blocks (the GPU tier's
+hot rows stay Q4_0, widened per token on the device): offload of whole layers of blocks is not
+built on CUDA (engine/packed.py), so the baseline is then the same packed model with every
+tier on the CPU ("cpu only"), and the budget is the fraction of the Q4_0 weights.
+
 Rounds alternate the engines (the bus drifts within minutes); the table gives decode tok/s,
 the GPU share of the hybrid engine's neuron load, and the GPU bytes each engine holds. With
 a CUDA device the hardware profile is measured here (`--hardware auto`). Without one the GPU
@@ -42,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cost model for the solver: built-in name or file (default: measured with CUDA, else rtx4090)")
     p.add_argument("--gpu-device", default=None, help="the GPU tier's device (default: cuda when present, else cpu)")
     p.add_argument("--sparsity", type=float, default=0.9, help="mean share of inactive neurons (default 0.9)")
-    p.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16", help="weight dtype (default fp16)")
+    p.add_argument("--dtype", choices=["fp16", "bf16", "q4_0"], default="fp16",
+                   help="weight dtype (default fp16; q4_0: a Q4_0 file, blocks kept in both tiers)")
     p.add_argument("--tokens", type=int, default=32, help="decode tokens per round (default 32)")
     p.add_argument("--rounds", type=int, default=3, help="offload/hybrid round pairs, alternating (default 3)")
     p.add_argument("--rank", type=int, default=16, help="predictor rank (default 16)")
@@ -70,16 +76,25 @@ def model_shape(layers: int, shape: relu7b.Shape, vocab: int):
     return ModelShape("planted", layers, shape.d, shape.n_ff, shape.heads, shape.heads, shape.d // shape.heads, vocab)
 
 
-def placer(mshape, hw, budget: int, rank: int, out: str):
-    """place(profile, model_hash) -> the solver's placement document (also written to `out`)."""
+def solver_weights(dtype: str) -> str:
+    """The solver's weight type for the GPU tier: 16-bit rows, or a native Q4_0 pack's Q4_0
+    gate/up rows beside its down projection requantized to Q8_0 (offline/pack.py)."""
+    return "q4_0+q8_0" if dtype == "q4_0" else "fp16"
+
+
+def placer(mshape, hw, budget: int, rank: int, out: str, weights: str = "fp16"):
+    """place(profile, model_hash) -> the solver's placement document (also written to `out`).
+    Dense parts may go to the GPU only for 16-bit weights (layers of blocks stay on the CPU)."""
     from ..hardware import offload_baseline
     from ..offline.solve import build_problem, greedy, placement_document, solve_auto
 
+    dense_ok = weights == "fp16"
+
     def place(profile, model_hash: str) -> dict:
-        problem, best = solve_auto(lambda dense: build_problem(profile, mshape, hw, budget, "fp16", dense_on_gpu=dense,
-                                                               predictor_rank=rank))
+        problem, best = solve_auto(lambda dense: build_problem(profile, mshape, hw, budget, weights,
+                                                               dense_on_gpu=dense and dense_ok, predictor_rank=rank))
         doc = placement_document(problem, best, {"greedy": greedy(problem)},
-                                 offload_baseline(mshape, hw, "fp16", budget), model_hash, profile.path)
+                                 offload_baseline(mshape, hw, weights, budget), model_hash, profile.path)
         doc["hardware"] = {"name": hw.name}
         write_json(out, doc, indent=None)
         return doc
@@ -108,6 +123,7 @@ def gpu_tier_bytes(model) -> int:
 def run(args: argparse.Namespace) -> int:
     from ..engine.packed import load_packed, resolve_gpu_device
     from ..errors import BadArgumentError
+    from ..hardware import weight_bytes
     from ..offline.solve import mandatory_gpu_bytes
 
     relu7b.check_planted_args(args)
@@ -122,30 +138,35 @@ def run(args: argparse.Namespace) -> int:
     hw = hardware_for(args.hardware, device)
     if not hw.has_gpu:
         raise BadArgumentError(f"hardware {hw.name!r} has no GPU: the hybrid engine has nothing to place on one")
-    weights = relu7b.model_bytes(args.layers, vocab, shape)
+    solver_type = solver_weights(args.dtype)
+    weights = int(relu7b.model_bytes(args.layers, vocab, shape) * weight_bytes(solver_type) / 2)
     budget = int(args.vram_fraction * weights)
     mshape = model_shape(args.layers, shape, vocab)
-    need = sum(mandatory_gpu_bytes(mshape, "fp16", 0, False, False, args.rank, hw.runtime_buffers).values())
+    need = sum(mandatory_gpu_bytes(mshape, solver_type, 0, False, False, args.rank, hw.runtime_buffers).values())
     if budget < need:  # before minutes of writing and packing
         raise BadArgumentError(f"--vram-fraction {args.vram_fraction} gives {budget / 2**20:.0f} MiB, less than the "
                                f"{need / 2**20:.0f} MiB the GPU must hold before any neuron (runtime buffers, "
                                "predictors); raise it")
     with relu7b.work_dir(args.dir, "hybrid-") as root:
-        place = placer(mshape, hw, budget, args.rank, os.path.join(root, "placement.json"))
+        place = placer(mshape, hw, budget, args.rank, os.path.join(root, "placement.json"), solver_type)
         _, packed_dir, _ = relu7b.planted_model(args, shape, root, place, src)
 
-        def load(mode: str):
-            before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-            lm = load_packed(packed_dir, mode=mode, dtype=args.dtype, threads=args.threads, gpu_device=str(device),
-                             with_tokenizer=False, predictor_bypass=None)
-            used = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else None
+        def load(mode: str, on: torch.device = device):
+            before = torch.cuda.memory_allocated(on) if on.type == "cuda" else 0
+            lm = load_packed(packed_dir, mode=mode, dtype=relu7b.engine_dtype(args), threads=args.threads,
+                             gpu_device=str(on), with_tokenizer=False, predictor_bypass=None)
+            used = torch.cuda.memory_allocated(on) - before if on.type == "cuda" else None
             return lm, used
 
         hybrid_lm, hybrid_alloc = load("sparse")
         hybrid, stats = hybrid_lm.model, hybrid_lm.ffn_stats
         calibrated = relu7b.calibrate_active_share(hybrid, 1 - args.sparsity, n=args.tokens)
-        offload_lm, offload_alloc = load("offload")
+        quantized = args.dtype == "q4_0"
+        # layers of blocks are not offloaded whole: the quantized baseline is the same model on the CPU
+        offload_lm, offload_alloc = load("sparse", torch.device("cpu")) if quantized else load("offload")
         offload = offload_lm.model
+        if quantized:
+            relu7b.calibrate_active_share(offload, 1 - args.sparsity, n=args.tokens)
         relu7b.decode_speed(offload, 2), relu7b.decode_speed(hybrid, 2)  # warm-up
         speeds: dict[str, list[float]] = {"offload": [], "hybrid": []}
         shares, active = [], []
@@ -166,17 +187,21 @@ def run(args: argparse.Namespace) -> int:
               f"{args.threads} CPU threads; {statistics.mean(active):.3f} of FFN neurons computed per token (calibrated to "
               f"{calibrated:.3f}); median of {args.rounds} rounds x {args.tokens} tokens\n")
         print("| engine | decode tok/s | GPU tier weights | on the GPU | placement |\n|---|---|---|---|---|")
+        baseline = ("cpu only", "the same neurons, every tier on the CPU") if quantized else (
+            "offload",
+            f"{placement.offload_gpu_layers} whole layers, LM head {'GPU' if placement.offload_head_on_gpu else 'CPU'}")
         for name, model, alloc, what in (
-                ("offload", offload, offload_alloc,
-                 f"{placement.offload_gpu_layers} whole layers, LM head {'GPU' if placement.offload_head_on_gpu else 'CPU'}"),
+                ("offload", offload, offload_alloc, baseline[1]),
                 ("hybrid", hybrid, hybrid_alloc,
                  f"{placement.gpu_neurons} hot neurons, dense parts {'GPU' if placement.dense_on_gpu else 'CPU'}; "
                  f"GPU share of neuron load {statistics.median(shares):.2f}")):
             on_gpu = "n/a" if alloc is None else format_size(alloc)
-            print(f"| {name} | {statistics.median(speeds[name]):.2f} | {format_size(gpu_tier_bytes(model))} | "
+            label = baseline[0] if name == "offload" else name
+            tier = "none" if quantized and name == "offload" else format_size(gpu_tier_bytes(model))
+            print(f"| {label} | {statistics.median(speeds[name]):.2f} | {tier} | "
                   f"{on_gpu} | {what} |")
         ratios = [h / o for o, h in zip(speeds["offload"], speeds["hybrid"])]
-        print(f"\nhybrid / offload: {statistics.median(ratios):.2f}x per round median ({min(ratios):.2f}-{max(ratios):.2f}x); "
+        print(f"\nhybrid / {baseline[0]}: {statistics.median(ratios):.2f}x per round median ({min(ratios):.2f}-{max(ratios):.2f}x); "
               f"solver predicted {placement.predicted_tokens_per_s or float('nan'):.1f} tok/s for the hybrid placement; "
               + (f"packed model: {packed_dir}" if args.dir else "the planted model's files are removed (--dir keeps them)"),
               file=sys.stdout)

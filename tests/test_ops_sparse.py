@@ -122,12 +122,35 @@ def test_predictor_and_threshold_to_index(dtype, tokens):
     assert sparse.threshold_to_index(expected, 0.0, torch.int32).dtype == torch.int32
 
 
+def rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` as the CUDA tier multiplies it: rounded to the weights' dtype (torch_ops.matmul)."""
+    return t.to(dtype).float()
+
+
+def assert_cuda_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, ulps: float = 2.0) -> None:
+    """On CUDA a half GEMM rounds its output to the half dtype (fp32 accumulation inside):
+    `ulps` units of that rounding, relative and against the largest value."""
+    eps = 1e-6 if dtype == torch.float32 else torch.finfo(dtype).eps
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    torch.testing.assert_close(got.cpu(), want, rtol=ulps * eps, atol=ulps * eps * scale + 1e-6)
+
+
+def gap_threshold(h: torch.Tensor, lo: float, hi: float) -> float:
+    """A threshold in [lo, hi] in the middle of the widest gap between the values |h|: no
+    neuron sits at it, so rounding cannot move one across."""
+    v = torch.cat([torch.tensor([lo, hi]), h.abs().flatten()])
+    v = torch.sort(v[(v >= lo) & (v <= hi)]).values
+    i = int(torch.argmax(v[1:] - v[:-1]))
+    return float(v[i] + v[i + 1]) / 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["random", "empty", "full"])
 def test_cuda_ops_equal_the_reference(dtype, kind):
     """The public ops with CUDA tensors (dispatched to the GPU tier's torch code) equal the
-    CPU reference: row GEMV, column AXPY, the gated FFN, predictor and threshold-to-index."""
+    CPU reference on the activations as that tier rounds them (to the weights' dtype): row
+    GEMV, column AXPY, the gated FFN, predictor and threshold-to-index."""
     cuda = torch.device("cuda")
     w, wu = torch.randn(N, D).to(dtype), torch.randn(N, D).to(dtype)
     wt = (torch.randn(N, D + 6) * 0.1).to(dtype)
@@ -136,19 +159,21 @@ def test_cuda_ops_equal_the_reference(dtype, kind):
     a = torch.randn(3, len(idx))
     got = sparse.sparse_row_gemv(w.to(cuda), x.to(cuda), idx.to(cuda), bias.to(cuda), "relu")
     assert got.device.type == "cuda"
-    torch.testing.assert_close(got.cpu(), reference.sparse_row_gemv(w, x, idx, bias, "relu"), **tol(dtype))
-    torch.testing.assert_close(sparse.sparse_col_axpy(wt.to(cuda), a.to(cuda), idx.to(cuda)).cpu(),
-                               reference.sparse_col_axpy(wt, a, idx), **tol(dtype))
+    assert_cuda_close(got, reference.sparse_row_gemv(w, rounded(x, dtype), idx, bias, "relu"), dtype)
+    assert_cuda_close(sparse.sparse_col_axpy(wt.to(cuda), a.to(cuda), idx.to(cuda)),
+                      reference.sparse_col_axpy(wt, rounded(a, dtype), idx), dtype)
+    _, all_h = reference.sparse_gated_ffn(w, wu, wt, rounded(x, dtype), idx, "silu", None, "none", 0.0)
+    thr = gap_threshold(all_h, 0.2, 0.4)
     out, h = sparse.sparse_gated_ffn(w.to(cuda), wu.to(cuda), wt.to(cuda), x.to(cuda), idx.to(cuda), "silu", None,
-                                     "gate_up", 0.3)
-    exp_out, exp_h = reference.sparse_gated_ffn(w, wu, wt, x, idx, "silu", None, "gate_up", 0.3)
-    torch.testing.assert_close(out.cpu(), exp_out, **tol(dtype))
-    torch.testing.assert_close(h.cpu(), exp_h, **tol(dtype))
+                                     "gate_up", thr)
+    _, exp_h = reference.sparse_gated_ffn(w, wu, wt, rounded(x, dtype), idx, "silu", None, "gate_up", thr)
+    assert_cuda_close(h, exp_h, dtype, ulps=3)  # gate and up each rounded once
+    assert_cuda_close(out, reference.sparse_col_axpy(wt, rounded(h.cpu(), dtype), idx), dtype)
     w2, b2 = torch.randn(N, 13).to(dtype), torch.randn(N)
     logits = sparse.predictor_logits(w[:13].to(cuda), bias[:13].to(cuda), w2.to(cuda), b2.to(cuda), x.to(cuda))
-    expected = reference.predictor_logits(w[:13], bias[:13], w2, b2, x)
-    torch.testing.assert_close(logits.cpu(), expected, **tol(dtype))
-    assert torch.equal(sparse.threshold_to_index(expected.to(cuda), 0.5).cpu(), reference.threshold_to_index(expected, 0.5))
+    hidden = torch.relu(rounded(x, dtype) @ w[:13].float().t() + bias[:13])
+    assert_cuda_close(logits, rounded(hidden, dtype) @ w2.float().t() + b2, dtype, ulps=4)
+    assert torch.equal(sparse.threshold_to_index(logits, 0.5).cpu(), reference.threshold_to_index(logits.cpu(), 0.5))
 
 
 @pytest.mark.parametrize("bad,message", [

@@ -14,13 +14,17 @@ from powerinfer.units import parse_size
 SMALL = ["--layers", "4", "--d-model", "256", "--ffn-dim", "1024", "--heads", "4"]
 
 
-def test_bench_hybrid_places_both_engines_under_one_budget(tmp_path):
-    # an rtx4090 without fixed costs, so that even this small model's neurons go to the GPU
+def small_gpu(tmp_path) -> str:
+    """An rtx4090 without fixed costs, so that even a small model's neurons go to the GPU."""
     hw = BUILTIN["rtx4090"].to_dict() | {"name": "small-gpu", "runtime_buffers": 1 << 20, "sync_overhead": 0,
                                          "pcie_latency": 0, "gpu_layer_overhead": 0}
     (tmp_path / "hw.json").write_text(json.dumps(hw))
+    return str(tmp_path / "hw.json")
+
+
+def test_bench_hybrid_places_both_engines_under_one_budget(tmp_path):
     r = run_cli_here("bench", "hybrid", *SMALL, "--vram-fraction", "0.5", "--tokens", "6", "--rounds", "1",
-                "--hardware", str(tmp_path / "hw.json"), "--dir", str(tmp_path / "h"), "-t", "2")
+                "--hardware", small_gpu(tmp_path), "--dir", str(tmp_path / "h"), "-t", "2")
     assert r.returncode == 0, r.stderr
     budget = parse_size(re.search(r"budget ([\d.]+ \w+)", r.stdout).group(1).replace(" ", ""))
     rows = {m[0]: m[1:] for m in re.findall(r"\| (offload|hybrid) \| ([\d.]+) \| ([\d.]+ \w+) \| n/a \| (.*) \|", r.stdout)}
@@ -32,6 +36,31 @@ def test_bench_hybrid_places_both_engines_under_one_budget(tmp_path):
     assert 0 < share < 1 and int(rows["hybrid"][2].split()[0]) > 0
     doc = json.loads((tmp_path / "h" / "placement.json").read_text())
     assert doc["baselines"]["offload"]["head_on_gpu"] and doc["hardware"]["name"] == "small-gpu"
+
+
+def test_bench_hybrid_keeps_q4_0_blocks_in_the_gpu_tier(tmp_path):
+    """--dtype q4_0: the solver counts Q4_0 rows + a Q8_0 down column per neuron, the GPU tier
+    holds exactly those bytes, and the baseline is the same packed model on the CPU."""
+    from powerinfer.engine.packed import load_packed
+    from powerinfer.hardware import WEIGHT_BYTES
+    from powerinfer.ops import quant
+
+    r = run_cli_here("bench", "hybrid", *SMALL, "--dtype", "q4_0", "--vram-fraction", "0.5", "--tokens", "6",
+                     "--rounds", "1", "--hardware", small_gpu(tmp_path), "--dir", str(tmp_path / "h"), "-t", "2")
+    assert r.returncode == 0, r.stderr
+    speeds = dict(re.findall(r"\| (cpu only|hybrid) \| ([\d.]+) \|", r.stdout))
+    assert set(speeds) == {"cpu only", "hybrid"} and all(float(v) > 0 for v in speeds.values())
+    doc = json.loads((tmp_path / "h" / "placement.json").read_text())
+    assert doc["dtype"] == "q4_0+q8_0" and not doc["dense_on_gpu"]
+    d = 256
+    assert doc["budget"]["neuron_bytes"] == 2 * d * WEIGHT_BYTES["q4_0"] + d * WEIGHT_BYTES["q8_0"]
+    lm = load_packed(str(tmp_path / "h" / "packed"), mode="sparse", dtype="native", gpu_device="cpu",
+                     with_tokenizer=False)
+    tiers = [layer.ffn.gpu for layer in lm.model.layers]
+    n_gpu = sum(t.n for t in tiers)
+    assert n_gpu > 0 and all(quant.format_of(t.w_gate) == "Q4_0" for t in tiers if t.n)
+    held = sum(x.numel() * x.element_size() for t in tiers for x in (t.w_gate, t.w_up, t.wt_down))
+    assert held == n_gpu * doc["budget"]["neuron_bytes"]
 
 
 def test_bench_relu7b_on_quantized_blocks_leaves_nothing_behind(tmp_path, monkeypatch):

@@ -40,7 +40,8 @@ def test_bench_hybrid_places_both_engines_under_one_budget(tmp_path):
 
 def test_bench_hybrid_keeps_q4_0_blocks_in_the_gpu_tier(tmp_path):
     """--dtype q4_0: the solver counts Q4_0 rows + a Q8_0 down column per neuron, the GPU tier
-    holds exactly those bytes, and the baseline is the same packed model on the CPU."""
+    holds exactly those bytes, and the offload baseline puts its LM head (and the whole layers
+    that fit) there as blocks too."""
     from powerinfer.engine.packed import load_packed
     from powerinfer.hardware import WEIGHT_BYTES
     from powerinfer.ops import quant
@@ -48,10 +49,11 @@ def test_bench_hybrid_keeps_q4_0_blocks_in_the_gpu_tier(tmp_path):
     r = run_cli_here("bench", "hybrid", *SMALL, "--dtype", "q4_0", "--vram-fraction", "0.5", "--tokens", "6",
                      "--rounds", "1", "--hardware", small_gpu(tmp_path), "--dir", str(tmp_path / "h"), "-t", "2")
     assert r.returncode == 0, r.stderr
-    speeds = dict(re.findall(r"\| (cpu only|hybrid) \| ([\d.]+) \|", r.stdout))
-    assert set(speeds) == {"cpu only", "hybrid"} and all(float(v) > 0 for v in speeds.values())
+    speeds = dict(re.findall(r"\| (offload|hybrid) \| ([\d.]+) \|", r.stdout))
+    assert set(speeds) == {"offload", "hybrid"} and all(float(v) > 0 for v in speeds.values())
+    assert re.search(r"\| offload \| [\d.]+ \| [\d.]+ \w+ \| n/a \| [0-3] whole layers, LM head GPU", r.stdout)
     doc = json.loads((tmp_path / "h" / "placement.json").read_text())
-    assert doc["dtype"] == "q4_0+q8_0" and not doc["dense_on_gpu"]
+    assert doc["dtype"] == "q4_0+q8_0"
     d = 256
     assert doc["budget"]["neuron_bytes"] == 2 * d * WEIGHT_BYTES["q4_0"] + d * WEIGHT_BYTES["q8_0"]
     lm = load_packed(str(tmp_path / "h" / "packed"), mode="sparse", dtype="native", gpu_device="cpu",

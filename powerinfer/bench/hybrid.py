@@ -12,10 +12,9 @@ Both engines get the same GPU budget, `--vram-fraction` of the model's 16-bit we
 * offload (`--mode offload`): whole layers on the GPU while they fit the budget after the LM
   head, the rest dense on the CPU, as llama.cpp's `-ngl` does.
 
-With `--dtype q4_0` the planted file is Q4_0 and both tiers keep its blocks (the GPU tier's
-hot rows stay Q4_0, widened per token on the device): offload of whole layers of blocks is not
-built on CUDA (engine/packed.py), so the baseline is then the same packed model with every
-tier on the CPU ("cpu only"), and the budget is the fraction of the Q4_0 weights.
+With `--dtype q4_0` the planted file is Q4_0 and both engines keep its blocks (on the GPU
+each matmul widens them on the device, ops/quant_torch.py); the budget is then the fraction
+of the Q4_0 weights.
 
 Rounds alternate the engines (the bus drifts within minutes); the table gives decode tok/s,
 the GPU share of the hybrid engine's neuron load, and the GPU bytes each engine holds. With
@@ -84,15 +83,14 @@ def solver_weights(dtype: str) -> str:
 
 def placer(mshape, hw, budget: int, rank: int, out: str, weights: str = "fp16"):
     """place(profile, model_hash) -> the solver's placement document (also written to `out`).
-    Dense parts may go to the GPU only for 16-bit weights (layers of blocks stay on the CPU)."""
+    `weights` is every matrix's type in the planted file (all Q4_0 or all fp16), so the
+    solver's bytes for attention and the LM head are exact too."""
     from ..hardware import offload_baseline
     from ..offline.solve import build_problem, greedy, placement_document, solve_auto
 
-    dense_ok = weights == "fp16"
-
     def place(profile, model_hash: str) -> dict:
         problem, best = solve_auto(lambda dense: build_problem(profile, mshape, hw, budget, weights,
-                                                               dense_on_gpu=dense and dense_ok, predictor_rank=rank))
+                                                               dense_on_gpu=dense, predictor_rank=rank))
         doc = placement_document(problem, best, {"greedy": greedy(problem)},
                                  offload_baseline(mshape, hw, weights, budget), model_hash, profile.path)
         doc["hardware"] = {"name": hw.name}
@@ -151,22 +149,18 @@ def run(args: argparse.Namespace) -> int:
         place = placer(mshape, hw, budget, args.rank, os.path.join(root, "placement.json"), solver_type)
         _, packed_dir, _ = relu7b.planted_model(args, shape, root, place, src)
 
-        def load(mode: str, on: torch.device = device):
-            before = torch.cuda.memory_allocated(on) if on.type == "cuda" else 0
+        def load(mode: str):
+            before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             lm = load_packed(packed_dir, mode=mode, dtype=relu7b.engine_dtype(args), threads=args.threads,
-                             gpu_device=str(on), with_tokenizer=False, predictor_bypass=None)
-            used = torch.cuda.memory_allocated(on) - before if on.type == "cuda" else None
+                             gpu_device=str(device), with_tokenizer=False, predictor_bypass=None)
+            used = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else None
             return lm, used
 
         hybrid_lm, hybrid_alloc = load("sparse")
         hybrid, stats = hybrid_lm.model, hybrid_lm.ffn_stats
         calibrated = relu7b.calibrate_active_share(hybrid, 1 - args.sparsity, n=args.tokens)
-        quantized = args.dtype == "q4_0"
-        # layers of blocks are not offloaded whole: the quantized baseline is the same model on the CPU
-        offload_lm, offload_alloc = load("sparse", torch.device("cpu")) if quantized else load("offload")
+        offload_lm, offload_alloc = load("offload")
         offload = offload_lm.model
-        if quantized:
-            relu7b.calibrate_active_share(offload, 1 - args.sparsity, n=args.tokens)
         relu7b.decode_speed(offload, 2), relu7b.decode_speed(hybrid, 2)  # warm-up
         speeds: dict[str, list[float]] = {"offload": [], "hybrid": []}
         shares, active = [], []
@@ -187,21 +181,17 @@ def run(args: argparse.Namespace) -> int:
               f"{args.threads} CPU threads; {statistics.mean(active):.3f} of FFN neurons computed per token (calibrated to "
               f"{calibrated:.3f}); median of {args.rounds} rounds x {args.tokens} tokens\n")
         print("| engine | decode tok/s | GPU tier weights | on the GPU | placement |\n|---|---|---|---|---|")
-        baseline = ("cpu only", "the same neurons, every tier on the CPU") if quantized else (
-            "offload",
-            f"{placement.offload_gpu_layers} whole layers, LM head {'GPU' if placement.offload_head_on_gpu else 'CPU'}")
         for name, model, alloc, what in (
-                ("offload", offload, offload_alloc, baseline[1]),
+                ("offload", offload, offload_alloc,
+                 f"{placement.offload_gpu_layers} whole layers, LM head {'GPU' if placement.offload_head_on_gpu else 'CPU'}"),
                 ("hybrid", hybrid, hybrid_alloc,
                  f"{placement.gpu_neurons} hot neurons, dense parts {'GPU' if placement.dense_on_gpu else 'CPU'}; "
                  f"GPU share of neuron load {statistics.median(shares):.2f}")):
             on_gpu = "n/a" if alloc is None else format_size(alloc)
-            label = baseline[0] if name == "offload" else name
-            tier = "none" if quantized and name == "offload" else format_size(gpu_tier_bytes(model))
-            print(f"| {label} | {statistics.median(speeds[name]):.2f} | {tier} | "
+            print(f"| {name} | {statistics.median(speeds[name]):.2f} | {format_size(gpu_tier_bytes(model))} | "
                   f"{on_gpu} | {what} |")
         ratios = [h / o for o, h in zip(speeds["offload"], speeds["hybrid"])]
-        print(f"\nhybrid / {baseline[0]}: {statistics.median(ratios):.2f}x per round median ({min(ratios):.2f}-{max(ratios):.2f}x); "
+        print(f"\nhybrid / offload: {statistics.median(ratios):.2f}x per round median ({min(ratios):.2f}-{max(ratios):.2f}x); "
               f"solver predicted {placement.predicted_tokens_per_s or float('nan'):.1f} tok/s for the hybrid placement; "
               + (f"packed model: {packed_dir}" if args.dir else "the planted model's files are removed (--dir keeps them)"),
               file=sys.stdout)

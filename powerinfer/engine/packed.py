@@ -164,11 +164,6 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
     tier_dtype = parse_dtype(gpu_dtype) if gpu_dtype is not None else (
         torch_dtype if dev.type == "cpu" else _gpu_dtype(torch_dtype))
     _check_memory(manifest, dev)
-    # the GPU tier's FFN rows stay blocks (widened per token on the device, ops/quant_torch.py);
-    # dense layers of blocks (attention, LM head) have CPU kernels only
-    if dev.type == "cuda" and manifest.dtype == "native" and (manifest.placement.dense_on_gpu or mode == "offload"):
-        raise BadArgumentError("dense layers of quantized blocks on a CUDA GPU are not supported yet; solve with "
-                               "the dense layers on the CPU, or pack with --dtype fp16 or bf16")
     shards = _read_shards(path, manifest)
     stats = FFNStats()
     ffns = [_layer_ffn(shards, manifest, plan, i, args, dev, tier_dtype, torch_dtype, stats, path)

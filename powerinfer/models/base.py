@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .cache import KVCache
 from .ffn import FFN, DenseFFN
-from ..ops import api, lanes, quant
+from ..ops import api, lanes, quant, quant_torch
 from ..ops.linear import Linear
 
 _EMPTY_TABLE = np.zeros((1, 1), dtype=np.float32)
@@ -256,9 +256,9 @@ class Model:
             w = state.pop(name, None)  # consumed: the source is freed as soon as it is copied
             if w is None:
                 return None
-            if isinstance(w, quant.QuantParts):  # blocks of mixed formats: the torch route widens them
-                if on_tier:
-                    return place(w.widened(), on_tier)
+            if isinstance(w, quant.QuantParts):  # blocks of mixed formats
+                if on_tier:  # each part's blocks on the tier, widened per matmul there
+                    return quant.QuantParts([moved(p, True, False) for p in w.parts], w.shape, w.formats)
                 # each part as lanes where it can be
                 return quant.QuantParts([moved(p, False, False) for p in w.parts], w.shape, w.formats)
             return moved(w, on_tier, lookup)
@@ -271,8 +271,9 @@ class Model:
             return out
 
         def place(w: torch.Tensor, on_tier: bool, lookup: bool = False) -> torch.Tensor:
-            if on_tier:
-                return owned(w.to(device=t.device, dtype=t.dtype or dtype).contiguous(), w)
+            if on_tier:  # blocks move as they are (widened per matmul on the tier), floats in its dtype
+                to = {} if quant.is_quantized(w) else {"dtype": t.dtype or dtype}
+                return owned(w.to(device=t.device, **to).contiguous(), w)
             if quant.is_quantized(w):  # blocks stay blocks: re-laid once for the dense kernels (the
                 # file's pages are then released), else a view of the mapped file, as llama.cpp
                 # keeps them (its pages are the weights' only copy)
@@ -370,7 +371,8 @@ class Model:
     # -- forward -------------------------------------------------------------------------
     def embed_tokens(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         if quant.is_quantized(self.embed):
-            x = quant.embedding(self.embed, tokens)
+            x = (quant.embedding(self.embed, tokens) if self.embed.device.type == "cpu"
+                 else quant_torch.rows(self.embed, tokens.to(self.embed.device)).cpu())
         else:  # the residual stream is on the CPU
             x = F.embedding(tokens.to(self.embed.device), self.embed).float().cpu()
         if self.args.embed_scale != 1.0:

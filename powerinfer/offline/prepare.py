@@ -299,7 +299,8 @@ def _placement(profile: Profile, hw, budget: int, cache, model_hash: str, s: Pre
     shape = shape_from_manifest(profile.manifest)
     weights, dense_ok = s.weights, True
     if s.dtype == "native":  # the GPU tier holds the file's blocks: their real bytes per neuron
-        weights, dense_ok = native_weight_types(path), False  # dense layers of blocks run on the CPU
+        # dense layers of blocks stay on the CPU: their bytes per tensor format are not counted yet
+        weights, dense_ok = native_weight_types(path), False
         _log(f"the solver counts {weights} bytes per neuron (gate/up rows + down column, as packed)")
     problem, best = solve_auto(lambda dense: build_problem(profile, shape, hw, budget, weights,
                                                            dense_on_gpu=dense and dense_ok))

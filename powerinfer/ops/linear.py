@@ -56,7 +56,7 @@ class Linear:
     def fused_np(self) -> np.ndarray | tuple[np.ndarray, ...] | None:
         """What the fused decode kernels read (`panels.matvec_into`): `w_np`, or for a
         matrix of mixed-format parts on the CPU the tuple of its parts' kernel arrays."""
-        if isinstance(self.w, PartsWeight) and self.w.device.type == "cpu" and len(self.w.part_kernels) <= 3:
+        if isinstance(self.w, PartsWeight) and self.w.part_kernels and len(self.w.part_kernels) <= 3:
             return tuple(k for k, _ in self.w.part_kernels)
         return self.w.kernel
 
@@ -68,7 +68,7 @@ class Linear:
     @property
     def batch_kernels(self) -> bool:
         """Whether `each_row` can run: a weight the CPU kernels read."""
-        return self.w.kernel is not None or (isinstance(self.w, PartsWeight) and self.w.device.type == "cpu")
+        return self.w.kernel is not None or (isinstance(self.w, PartsWeight) and bool(self.w.part_kernels))
 
     @property
     def out_features(self) -> int:

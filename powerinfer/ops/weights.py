@@ -26,7 +26,7 @@ import torch
 
 import torch.nn.functional as F
 
-from . import cpu, lanes, quant
+from . import cpu, lanes, quant, quant_torch
 from .memory import on_huge_pages
 from .numba_half import numpy_weights
 from .panels import panel_width, rows_from_panels, to_panels
@@ -89,12 +89,14 @@ class PanelWeight(Weight):
 
 
 class QuantWeight(Weight):
-    """GGUF quantized blocks (rows, blocks, block bytes), as mapped from the file."""
+    """GGUF quantized blocks (rows, blocks, block bytes), as mapped from the file. On the CPU
+    the block kernels read them; on the GPU tier (any device, `kernels=False`) each matmul
+    widens the blocks to fp32 on the device (ops/quant_torch.py) for one torch GEMM."""
 
     format = "quant"
 
-    def __init__(self, t: torch.Tensor):
-        super().__init__(t, quant.shape_of(t), t.numpy() if t.device.type == "cpu" else None)
+    def __init__(self, t: torch.Tensor, kernels: bool = True):
+        super().__init__(t, quant.shape_of(t), t.numpy() if kernels and t.device.type == "cpu" else None)
         self.quant_format = quant.format_of(t)
 
     @property
@@ -105,7 +107,16 @@ class QuantWeight(Weight):
         return quant.dequantize(self.stored)  # tests and tools only: the engine never calls it
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return quant.matmul(self.stored, x, bias)
+        if self.kernel is not None:
+            return quant.matmul(self.stored, x, bias)
+        return _widened_matmul(self.stored, x, bias)
+
+
+def _widened_matmul(t: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + bias for blocks `t` on their device: widened there to a transient fp32 matrix
+    (no float copy persists), fp32 GEMM, result on t's device."""
+    w = quant_torch.dequantize(t)
+    return F.linear(x.to(t.device).float(), w, None if bias is None else bias.to(t.device).float())
 
 
 class LaneWeight(Weight):
@@ -137,12 +148,14 @@ class PartsWeight(Weight):
 
     format = "parts"
 
-    def __init__(self, parts: quant.QuantParts):
+    def __init__(self, parts: quant.QuantParts, kernels: bool = True):
         super().__init__(parts.parts[0], parts.shape, None)
         self.parts = parts
         self.quant_format = "+".join(parts.formats)
-        # (kernel array, rows) per part, for the one-token and batched GEMV
-        self.part_kernels = [(p.numpy(), _rows_of(p)) for p in parts.parts]
+        # (kernel array, rows) per part, for the one-token and batched GEMV (none on the GPU
+        # tier: there each part goes through `_widened_matmul`)
+        cpu_kernels = kernels and parts.parts[0].device.type == "cpu"
+        self.part_kernels = [(p.numpy(), _rows_of(p)) for p in parts.parts] if cpu_kernels else []
 
     @property
     def dtype(self) -> torch.dtype:
@@ -153,9 +166,12 @@ class PartsWeight(Weight):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x = x.float()
-        out = torch.cat([lanes.matmul(p, x) if lanes.is_lanes(p) else quant.matmul(p, x) for p in self.parts.parts],
-                        dim=1)
-        return out if bias is None else out.add_(bias)
+        if not self.part_kernels:
+            out = torch.cat([_widened_matmul(p, x, None) for p in self.parts.parts], dim=1)
+        else:
+            out = torch.cat([lanes.matmul(p, x) if lanes.is_lanes(p) else quant.matmul(p, x)
+                             for p in self.parts.parts], dim=1)
+        return out if bias is None else out.add_(bias.to(out.device))
 
     def tensors(self) -> list[torch.Tensor]:
         return list(self.parts.parts)
@@ -176,11 +192,11 @@ def weight_for(t: torch.Tensor | quant.QuantParts, kernels: bool = True) -> Weig
     re-laid as lanes where their format and row count allow (a copy: callers that can free
     the source pass lanes already, `lanes.interleave`), else as they are."""
     if isinstance(t, quant.QuantParts):
-        return PartsWeight(t)
+        return PartsWeight(t, kernels)
     if lanes.is_lanes(t):
         return LaneWeight(t)
     if quant.is_quantized(t):
-        return LaneWeight(lanes.interleave(t)) if kernels and lanes.fits(t) else QuantWeight(t)
+        return LaneWeight(lanes.interleave(t)) if kernels and lanes.fits(t) else QuantWeight(t, kernels)
     if kernels and cpu.supports(t) and t.dtype != torch.float32 and panel_width(int(t.shape[1])) > 0:
         return PanelWeight(t)
     return RowWeight(t, kernels)

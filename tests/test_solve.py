@@ -186,3 +186,18 @@ def test_hardware_profiles_measure_show_and_edit(tmp_path):
         load_hardware(str(toml))
     with pytest.raises(BadArgumentError, match="unknown hardware"):
         load_hardware("no-such-gpu")
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.float16, "fp16"), (torch.bfloat16, "bf16"), (torch.float32, "fp32")])
+def test_native_weight_types_of_an_hf_checkpoint_read_from_its_header(tmp_path, dtype, name):
+    """`prepare --dtype native` on an HF directory: the solver's weight type is the FFN
+    weights' stored dtype, read from the safetensors header."""
+    from safetensors.torch import save_file
+
+    from powerinfer.offline.prepare import native_weight_types
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({"model.embed_tokens.weight": torch.zeros(8, 4),
+               "model.layers.0.mlp.gate_proj.weight": torch.zeros(6, 4, dtype=dtype)},
+              str(tmp_path / "model.safetensors"))
+    assert native_weight_types(str(tmp_path)) == name

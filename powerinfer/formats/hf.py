@@ -26,6 +26,19 @@ class HFCheckpoint:
     def has(self, name: str) -> bool:
         return name in self._files
 
+    def dtype_of(self, name: str) -> str:
+        """Tensor `name`'s stored dtype as safetensors names it ("F16", "BF16", "F32", ...),
+        read from the file's header alone."""
+        from safetensors import SafetensorError, safe_open
+
+        if name not in self._files:
+            raise ModelFileError(f"{self.path}: tensor {name} is missing")
+        try:
+            with safe_open(self._files[name], framework="pt") as f:
+                return f.get_slice(name).get_dtype()
+        except SafetensorError as e:
+            raise ModelFileError(f"{self._files[name]}: corrupt safetensors file ({e})") from None
+
     def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Tensor `name` in `dtype`, or with None in its stored dtype (fp32 for non-float ones)."""
         from safetensors import SafetensorError, safe_open

@@ -21,7 +21,7 @@ from ..formats.gguf import GGUFFile
 from ..formats.hf import HFCheckpoint
 from .base import ModelArgs, half_split_to_interleaved, rope_inv_freq
 from .hf_config import config_object, rope_frequencies
-from .llama import _eos_list
+from .llama import eos_list
 
 
 
@@ -154,7 +154,7 @@ def args_from_gguf(g: GGUFFile) -> ModelArgs:
         parallel_block=True,
         tie_embeddings=not g.has("output.weight"),
         bos_token_id=g.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=_eos_list(g.get("tokenizer.ggml.eos_token_id")),
+        eos_token_ids=eos_list(g.get("tokenizer.ggml.eos_token_id")),
     )
 
 

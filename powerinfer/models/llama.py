@@ -15,7 +15,8 @@ from .base import ModelArgs, half_split_to_interleaved, rope_inv_freq
 from .hf_config import config_object, rope_frequencies
 
 
-def _eos_list(value: Any) -> list[int]:
+def eos_list(value: Any) -> list[int]:
+    """End-of-sequence ids as a list, from an HF config's or a GGUF's one id, list or None."""
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
@@ -46,7 +47,7 @@ def config_args(cfg: Any, family: str, **fields: Any) -> ModelArgs:
         "act": getattr(cfg, "hidden_act", None),
         "tie_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
         "bos_token_id": getattr(cfg, "bos_token_id", None),
-        "eos_token_ids": _eos_list(getattr(cfg, "eos_token_id", None)),
+        "eos_token_ids": eos_list(getattr(cfg, "eos_token_id", None)),
         **fields,
     })
 
@@ -162,7 +163,7 @@ def args_from_gguf(g: GGUFFile, family: str = "llama") -> ModelArgs:
         act="silu",
         tie_embeddings=not g.has("output.weight"),
         bos_token_id=g.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=_eos_list(g.get("tokenizer.ggml.eos_token_id")),
+        eos_token_ids=eos_list(g.get("tokenizer.ggml.eos_token_id")),
     )
 
 

@@ -246,8 +246,6 @@ def native_weight_types(path: str) -> str:
     solver's ROWS+DOWN pair: the gate/up (fc1) rows in the file's format (the widest over the
     layers), the down projection requantized to Q8_0 when it was quantized (offline/pack.py).
     An HF checkpoint keeps its float dtype."""
-    import torch
-
     from ..hardware import WEIGHT_BYTES
     from ..ops import quant
 
@@ -257,8 +255,8 @@ def native_weight_types(path: str) -> str:
         ckpt = open_hf_dir(path)
         ffn = [n for n in ckpt.tensor_names() if n.endswith(".weight") and any(
             k in n for k in ("mlp.", "dense_h_to_4h", ".fc1."))]
-        dtype = ckpt.tensor(ffn[0]).dtype if ffn else None
-        return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
+        dtype = ckpt.dtype_of(ffn[0]) if ffn else None  # from the header: no tensor read
+        return {"F16": "fp16", "BF16": "bf16"}.get(dtype, "fp32")
     from ..formats.gguf_check import read_header
 
     tensors = read_header(path, os.path.getsize(path)).tensors

@@ -391,13 +391,10 @@ def test_sparse_mode_on_quantized_rows(smollm2_path, tmp_path, gpu_tier):
     assert torch.isfinite(out).all() and 0.2 < st.active_fraction < 0.8 and 0 < st.gpu_share < 1
 
 
-def test_packed_default_model_keeps_its_blocks(smollm2_path, tmp_path, gpu_tier):
-    """pack --dtype native: gate/up rows stay Q4_1 blocks, the down projection becomes Q8_0
-    rows; oracle mode at threshold 0 is the dense model (up to the Q8_0 requantization), the
-    split tiers compute each neuron once, and prefill works through the tiles."""
+def native_profile(smollm2_path: str):
+    """The default model in native dtype, a random profile of it, and a quarter of each
+    layer's neurons (random) for the GPU tier."""
     import powerinfer
-    from powerinfer.engine.packed import load_packed
-    from powerinfer.offline.pack import pack_model
     from powerinfer.offline.stats import LayerStats, Profile
     from powerinfer.paths import content_hash
 
@@ -407,6 +404,18 @@ def test_packed_default_model_keeps_its_blocks(smollm2_path, tmp_path, gpu_tier)
     prof = Profile([LayerStats(rng.integers(0, 100, a.ffn_dim).astype(np.int64), 100, 0.0)
                     for _ in range(a.n_layers)], {"model": {"hash": content_hash(smollm2_path)}, "criterion": "gate_up"})
     sets = [rng.choice(a.ffn_dim, a.ffn_dim // 4, replace=False) for _ in range(a.n_layers)]
+    return native, prof, sets
+
+
+def test_packed_default_model_keeps_its_blocks(smollm2_path, tmp_path, gpu_tier):
+    """pack --dtype native: gate/up rows stay Q4_1 blocks, the down projection becomes Q8_0
+    rows; oracle mode at threshold 0 is the dense model (up to the Q8_0 requantization), the
+    split tiers compute each neuron once, and prefill works through the tiles."""
+    from powerinfer.engine.packed import load_packed
+    from powerinfer.offline.pack import pack_model
+
+    native, prof, sets = native_profile(smollm2_path)
+    a = native.args
     placement = {"format": "powerinfer-placement", "layers": [{"gpu_neurons": s.tolist()} for s in sets]}
     out = str(tmp_path / "packed")
     pack_model(smollm2_path, out, prof, None, placement, "native")
@@ -447,18 +456,11 @@ def test_dense_layers_of_blocks_on_the_gpu_tier(smollm2_path, tmp_path, gpu_tier
     (the code CUDA runs), no float copy of a matrix persists, and the logits are those of the
     same neurons in oracle mode with the dense parts on the CPU block kernels, up to their int8
     activations' rounding (measured: 1-5% of the largest logit at most, same argmax)."""
-    import powerinfer
     from powerinfer.engine.packed import load_packed
     from powerinfer.offline.pack import pack_model
-    from powerinfer.offline.stats import LayerStats, Profile
-    from powerinfer.paths import content_hash
 
-    native = powerinfer.load(smollm2_path, dtype="native")
+    native, prof, sets = native_profile(smollm2_path)
     a = native.args
-    rng = np.random.default_rng(0)
-    prof = Profile([LayerStats(rng.integers(0, 100, a.ffn_dim).astype(np.int64), 100, 0.0)
-                    for _ in range(a.n_layers)], {"model": {"hash": content_hash(smollm2_path)}, "criterion": "gate_up"})
-    sets = [rng.choice(a.ffn_dim, a.ffn_dim // 4, replace=False) for _ in range(a.n_layers)]
 
     def load(dense_on_gpu: bool, mode: str):
         placement = {"format": "powerinfer-placement", "dense_on_gpu": dense_on_gpu,

@@ -256,11 +256,9 @@ class Model:
             w = state.pop(name, None)  # consumed: the source is freed as soon as it is copied
             if w is None:
                 return None
-            if isinstance(w, quant.QuantParts):  # blocks of mixed formats
-                if on_tier:  # each part's blocks on the tier, widened per matmul there
-                    return quant.QuantParts([moved(p, True, False) for p in w.parts], w.shape, w.formats)
-                # each part as lanes where it can be
-                return quant.QuantParts([moved(p, False, False) for p in w.parts], w.shape, w.formats)
+            if isinstance(w, quant.QuantParts):  # blocks of mixed formats: each part placed as one
+                # matrix would be (on the tier as blocks, widened per matmul; else as lanes where it can)
+                return quant.QuantParts([moved(p, on_tier, False) for p in w.parts], w.shape, w.formats)
             return moved(w, on_tier, lookup)
 
         def moved(w: torch.Tensor, on_tier: bool, lookup: bool) -> torch.Tensor:

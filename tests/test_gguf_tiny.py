@@ -70,3 +70,30 @@ def test_f16_gguf_keeps_16_bit_weights_and_matches_transformers(tmp_path):
     oracle = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(got, oracle(tokens[None]).logits[0], atol=1e-4, rtol=1e-4)
+
+
+def _in_file_mapping(path, ptr: int) -> bool:
+    """Whether address `ptr` lies in this process's mapping of file `path` (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(a, 16) for a in fields[0].split("-"))
+            if len(fields) == 6 and fields[5].strip() == str(path) and lo <= ptr < hi:
+                return True
+    return False
+
+
+def test_native_load_keeps_the_looked_up_table_a_view_of_the_file(tmp_path):
+    """A native load copies the F16 matrices into the kernels' layouts but leaves the
+    embedding table, only looked up, a view of the mapped file (its pages dropped after the
+    load's check, read back per row as llama.cpp's mmap does): rows equal the file's."""
+    from powerinfer.formats.gguf import open_gguf
+
+    hf_dir = _hf_dir("llama", tmp_path)
+    path = export_gguf(hf_dir, tmp_path / "tiny-f16.gguf", "llama", f16=True)
+    model = load(str(path), dtype="native", with_tokenizer=False).model
+    assert model.embed.dtype == torch.float16 and _in_file_mapping(path, model.embed.data_ptr())
+    assert not _in_file_mapping(path, model.layers[0].ffn.w_in.weight.data_ptr())  # copied (panels)
+    table = open_gguf(str(path)).tensor("token_embd.weight")
+    ids = torch.tensor([0, 5, 95])
+    assert torch.equal(model.embed[ids], table[ids])

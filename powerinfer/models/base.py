@@ -264,7 +264,9 @@ class Model:
         def moved(w: torch.Tensor, on_tier: bool, lookup: bool) -> torch.Tensor:
             """`place(w)`, releasing w's file pages when it was copied."""
             out = place(w, on_tier, lookup)
-            if release is not None and out.untyped_storage().data_ptr() != w.untyped_storage().data_ptr():
+            # a copy's source pages go; so do a looked-up table's (read at load by the finite
+            # check): its rows fault back in from the file as tokens read them
+            if release is not None and (lookup or out.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()):
                 release(w)
             return out
 
@@ -277,7 +279,9 @@ class Model:
                 # keeps them (its pages are the weights' only copy)
                 return lanes.interleave(w) if not lookup and lanes.fits(w) else w.contiguous()
             if dtype is None:  # native: as the file stores it
-                return owned(w.contiguous(), w)
+                # a table only looked up stays a view of the mapped file, as llama.cpp keeps
+                # it: only the rows read become resident (a 7B's F16 table is 0.25-0.4 GB)
+                return w.contiguous() if lookup else owned(w.contiguous(), w)
             return owned(w.to(dtype).contiguous(), w)
 
         def get32(name: str, on_tier: bool = False) -> torch.Tensor | None:

@@ -110,6 +110,30 @@ def check_batch_equals_solo(model, vocab: int, seed: int = 0) -> None:
             members[s] += 1
 
 
+def test_batched_attention_equals_each_sequence_alone():
+    """Sequences at positions of one, two and three chunks of `cpu.CHUNK` (their work items
+    in one parallel loop) attend exactly as `cpu.attend_one` does for each alone."""
+    from numba.typed import List
+
+    n_heads, n_kv, d, max_len = 6, 2, 16, 700
+    rng = np.random.default_rng(3)
+    pos = np.array([10, 300, 650, 256], dtype=np.int64)
+    angles = np.outer(np.arange(max_len), 1 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    cos, sin = np.cos(angles), np.sin(angles)
+    qkv = rng.standard_normal((len(pos), (n_heads + 2 * n_kv) * d)).astype(np.float32)
+    caches = [rng.standard_normal((2, n_kv, max_len, d)).astype(np.float32) for _ in pos]
+    alone = np.zeros((len(pos), n_heads * d), dtype=np.float32)
+    for s, c in enumerate(caches):
+        k, v = c[0].copy(), c[1].copy()
+        cpu.attend_one(qkv[s], pos[s], cos, sin, k, v, n_heads, n_kv, d, np.float32(d**-0.5), True, alone[s], 0,
+                       np.float32(0.0))
+    together = np.zeros_like(alone)
+    batch_decode.attend(qkv, pos, cos, sin, List([c[0] for c in caches]), List([c[1] for c in caches]), n_heads,
+                        n_kv, d, np.float32(d**-0.5), True, together)
+    assert [cpu.attention_chunks(p, 0) for p in pos] == [1, 2, 3, 2]
+    assert np.array_equal(together, alone)
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "opt", "falcon_mq_parallel"])
 def test_families_decode_in_a_batch_as_alone(tmp_path, name):
     lm = powerinfer.load(str(build_tiny(name, tmp_path)))

@@ -62,9 +62,12 @@ def test_gated_activation_matches_reference(act, up_act):
     (4, 4, True, 13, 0, 0.0), (6, 2, True, 13, 0, 0.0), (8, 1, False, 13, 0, 0.0), (9, 3, True, 150, 0, 0.0),
     (6, 2, False, 127, 0, 0.0),
     (6, 2, True, 150, 32, 0.0), (4, 4, True, 5, 32, 0.0),  # a sliding window: past it, and not yet filled
-    (6, 2, True, 40, 0, 0.5), (6, 2, True, 40, 8, 0.5)])  # soft-capped scores (a cap that bites), and both
+    (6, 2, True, 40, 0, 0.5), (6, 2, True, 40, 8, 0.5),  # soft-capped scores (a cap that bites), and both
+    # past one chunk of positions (cpu.CHUNK = 256): a 1-position last chunk, three chunks, a
+    # window across a chunk boundary, a soft cap over several chunks
+    (4, 4, True, 256, 0, 0.0), (9, 3, True, 700, 0, 0.0), (6, 2, True, 600, 300, 0.0), (6, 2, False, 520, 0, 0.5)])
 def test_attend_one_matches_reference(n_heads, n_kv, rope, pos, window, softcap):
-    d, max_len = 16, 200
+    d, max_len = 16, max(200, pos + 1)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     angles = torch.outer(torch.arange(max_len).float(), inv_freq)
     cos, sin = torch.cos(angles).numpy(), torch.sin(angles).numpy()
@@ -87,3 +90,4 @@ def test_attend_one_matches_reference(n_heads, n_kv, rope, pos, window, softcap)
     torch.testing.assert_close(torch.from_numpy(out), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_cache[:, pos], k, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(v_cache[:, pos], v)
+

@@ -20,7 +20,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .cpu import STREAMS, _act, attend_head, dot4, row_dot, rms_norm, write_kv
+from .cpu import STREAMS, _act, attend_chunk, attention_chunks, dot4, merge_chunks, row_dot, rms_norm, write_kv
 from .decode import _gated_value
 from .numba_half import widen
 from .panels import in_features, out_features
@@ -247,16 +247,28 @@ def attention_out(ATT, wo, bo, X, ffn_norm_w, eps, H_out, threads):
 def attend(QKV, pos, cos, sin, k_caches, v_caches, n_heads, n_kv, head_dim, scale, rope, ATT):
     """Decode attention for B sequences in one call: sequence s's token at position pos[s]
     (RoPE, its keys and values written into its own caches k_caches[s] / v_caches[s], typed
-    lists of (kv_heads, max_len, head_dim) arrays), then softmax(q k^T * scale) v for every
-    (sequence, head) pair in parallel: `cpu.attend_one` per sequence without a thread launch
-    each (at 8 sequences those launches were a fifth of a step)."""
+    lists of (kv_heads, max_len, head_dim) arrays), then softmax(q k^T * scale) v: every
+    sequence's (KV head, chunk) work items in one parallel loop, as `cpu.attend_one` runs them
+    per sequence, without a thread launch each (at 8 sequences those launches were a fifth of
+    a step)."""
     B = QKV.shape[0]
+    chunks = np.empty(B, dtype=np.int64)
+    start = np.zeros(B + 1, dtype=np.int64)  # sequence s's work items: start[s] .. start[s + 1]
     for s in range(B):
         write_kv(QKV[s], pos[s], cos, sin, k_caches[s], v_caches[s], n_heads, n_kv, head_dim, rope)
-    for t in prange(B * n_heads):
-        s, h = t // n_heads, t % n_heads
-        attend_head(h, QKV[s], pos[s], cos, sin, k_caches[s], v_caches[s], n_heads, n_kv, head_dim, scale, rope,
-                    ATT[s])
+        chunks[s] = attention_chunks(pos[s], 0)
+        start[s + 1] = start[s] + n_kv * chunks[s]
+    most = chunks.max()
+    top = np.empty((B, n_heads, most), dtype=np.float32)
+    total = np.empty((B, n_heads, most), dtype=np.float32)
+    o = np.empty((B, n_heads, most, head_dim), dtype=np.float32)
+    for item in prange(start[B]):
+        s = np.searchsorted(start, item, side="right") - 1
+        k = item - start[s]
+        attend_chunk(k // chunks[s], k % chunks[s], QKV[s], pos[s], cos, sin, k_caches[s], v_caches[s], n_heads,
+                     n_kv, head_dim, scale, rope, 0, np.float32(0.0), top[s], total[s], o[s])
+    for s in range(B):
+        merge_chunks(chunks[s], top[s], total[s], o[s], ATT[s], head_dim)
 
 
 @njit(parallel=True, fastmath=True, cache=True)

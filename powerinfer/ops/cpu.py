@@ -177,88 +177,146 @@ def write_kv(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, rope
             v_cache[g, pos, j] = qkv[q_dim + kv_dim + g * head_dim + j]
 
 
-@njit(fastmath=True, cache=True)
-def attend_head(h, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, out, window=0,
-                softcap=0.0):
-    """softmax(q_h k^T * scale) v for query head `h` over positions [0, pos], into its slice
-    of `out`; query head h reads KV head h // (n_heads // n_kv) (GQA). `window` > 0: only the
-    last `window` positions (sliding-window layers); `softcap` > 0: scores s become
-    softcap * tanh(s / softcap) (Gemma 2).
+# Positions per work item of decode attention. A KV head's query heads (GQA) share one pass
+# over a chunk of its keys and values, so each cached row is read once per token instead of
+# once per query head; chunks give the threads balanced work at long contexts. Fixed (not
+# per thread count) so that a result never depends on the number of threads.
+CHUNK = 256
 
-    Four positions per pass in both products (four independent sums over q . k, one load and
-    store of the output per four rows of v), the scale folded into q and the softmax's
-    division done once on the output: 1.6-2x the one-position loops at 64-1024 positions
-    (docs/BENCHMARKS.md, "Batched decode")."""
-    half = head_dim // 2
-    g = h // (n_heads // n_kv)
+
+@njit(inline="always")
+def attention_chunks(pos, window):
+    """The number of CHUNK-position work items per KV head for a token at `pos`."""
     length = pos + 1
     first = length - window if 0 < window < length else 0
-    q = np.empty(head_dim, dtype=np.float32)
-    for i in range(half):
-        q0 = qkv[h * head_dim + 2 * i]
-        q1 = qkv[h * head_dim + 2 * i + 1]
-        if rope:
-            c, s = cos[pos, i], sin[pos, i]
-            q[2 * i] = (q0 * c - q1 * s) * scale
-            q[2 * i + 1] = (q0 * s + q1 * c) * scale
-        else:
-            q[2 * i] = q0 * scale
-            q[2 * i + 1] = q1 * scale
+    return (length - first + CHUNK - 1) // CHUNK
+
+
+@njit(fastmath=True, cache=True)
+def attend_chunk(g, c, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, window, softcap,
+                 top_out, total_out, o_out):
+    """KV head g's query heads over chunk c of the attended positions: per head h, the chunk's
+    largest score top_out[h, c], its sum of exp(score - top) total_out[h, c] and the
+    unnormalized output o_out[h, c] (merged by `merge_chunks`). Four positions per pass in
+    both products (four independent sums over q . k; one load and store of the output per
+    four rows of v) and the scale folded into q: 1.6-2x one-position loops at 64-1024
+    positions (docs/BENCHMARKS.md, "Batched decode"). `window` > 0: only the last `window`
+    positions (sliding-window layers); `softcap` > 0: scores s become softcap * tanh(s /
+    softcap) (Gemma 2)."""
+    half = head_dim // 2
+    rep = n_heads // n_kv
+    length = pos + 1
+    first = length - window if 0 < window < length else 0
+    lo = first + c * CHUNK
+    hi = min(lo + CHUNK, length)
+    n = hi - lo
+    q = np.empty((rep, head_dim), dtype=np.float32)
+    for r in range(rep):
+        h = g * rep + r
+        for i in range(half):
+            q0 = qkv[h * head_dim + 2 * i]
+            q1 = qkv[h * head_dim + 2 * i + 1]
+            if rope:
+                cs, sn = cos[pos, i], sin[pos, i]
+                q[r, 2 * i] = (q0 * cs - q1 * sn) * scale
+                q[r, 2 * i + 1] = (q0 * sn + q1 * cs) * scale
+            else:
+                q[r, 2 * i] = q0 * scale
+                q[r, 2 * i + 1] = q1 * scale
     K, V = k_cache[g], v_cache[g]
-    scores = np.empty(length, dtype=np.float32)
-    t = first
-    while t + 4 <= length:
-        a0 = a1 = a2 = a3 = np.float32(0.0)
-        for j in range(head_dim):
-            qj = q[j]
-            a0 += qj * K[t, j]
-            a1 += qj * K[t + 1, j]
-            a2 += qj * K[t + 2, j]
-            a3 += qj * K[t + 3, j]
-        scores[t], scores[t + 1], scores[t + 2], scores[t + 3] = a0, a1, a2, a3
+    scores = np.empty((rep, n), dtype=np.float32)
+    t = lo
+    while t + 4 <= hi:  # four rows of K, read once for every query head of g
+        for r in range(rep):
+            a0 = a1 = a2 = a3 = np.float32(0.0)
+            for j in range(head_dim):
+                qj = q[r, j]
+                a0 += qj * K[t, j]
+                a1 += qj * K[t + 1, j]
+                a2 += qj * K[t + 2, j]
+                a3 += qj * K[t + 3, j]
+            scores[r, t - lo], scores[r, t - lo + 1], scores[r, t - lo + 2], scores[r, t - lo + 3] = a0, a1, a2, a3
         t += 4
-    while t < length:
-        a0 = np.float32(0.0)
-        for j in range(head_dim):
-            a0 += q[j] * K[t, j]
-        scores[t] = a0
+    while t < hi:
+        for r in range(rep):
+            a0 = np.float32(0.0)
+            for j in range(head_dim):
+                a0 += q[r, j] * K[t, j]
+            scores[r, t - lo] = a0
         t += 1
-    top = np.float32(-np.inf)
-    for t in range(first, length):
-        if softcap > 0:
-            scores[t] = np.float32(softcap * np.tanh(scores[t] / softcap))
-        top = max(top, scores[t])
-    total = np.float32(0.0)
-    for t in range(first, length):
-        e = np.exp(scores[t] - top)
-        scores[t] = e
-        total += e
-    o = np.zeros(head_dim, dtype=np.float32)
-    t = first
-    while t + 4 <= length:
-        p0, p1, p2, p3 = scores[t], scores[t + 1], scores[t + 2], scores[t + 3]
-        for j in range(head_dim):
-            o[j] += p0 * V[t, j] + p1 * V[t + 1, j] + p2 * V[t + 2, j] + p3 * V[t + 3, j]
+    for r in range(rep):
+        top = np.float32(-np.inf)
+        for k in range(n):
+            if softcap > 0:
+                scores[r, k] = np.float32(softcap * np.tanh(scores[r, k] / softcap))
+            top = max(top, scores[r, k])
+        total = np.float32(0.0)
+        for k in range(n):
+            e = np.exp(scores[r, k] - top)
+            scores[r, k] = e
+            total += e
+        top_out[g * rep + r, c] = top
+        total_out[g * rep + r, c] = total
+    o = np.zeros((rep, head_dim), dtype=np.float32)  # contiguous, so the j loops vectorize
+    t = lo
+    while t + 4 <= hi:  # four rows of V, read once for every query head of g
+        for r in range(rep):
+            p0, p1, p2, p3 = scores[r, t - lo], scores[r, t - lo + 1], scores[r, t - lo + 2], scores[r, t - lo + 3]
+            for j in range(head_dim):
+                o[r, j] += p0 * V[t, j] + p1 * V[t + 1, j] + p2 * V[t + 2, j] + p3 * V[t + 3, j]
         t += 4
-    while t < length:
-        p0 = scores[t]
-        for j in range(head_dim):
-            o[j] += p0 * V[t, j]
+    while t < hi:
+        for r in range(rep):
+            p0 = scores[r, t - lo]
+            for j in range(head_dim):
+                o[r, j] += p0 * V[t, j]
         t += 1
-    inv = np.float32(1.0) / total
-    for j in range(head_dim):
-        out[h * head_dim + j] = o[j] * inv
+    o_out[g * rep : (g + 1) * rep, c] = o
+
+
+@njit(fastmath=True, cache=True)
+def merge_chunks(n_chunks, top, total, o, out, head_dim):
+    """Every head's output from its chunks' partial softmaxes (`attend_chunk`): the chunks'
+    sums and outputs rescaled to the largest score, then one division (a single chunk is
+    scaled by exactly 1)."""
+    for h in range(top.shape[0]):
+        m = top[h, 0]
+        for c in range(1, n_chunks):
+            m = max(m, top[h, c])
+        acc = np.zeros(head_dim, dtype=np.float32)
+        s = np.float32(0.0)
+        for c in range(n_chunks):
+            w = np.exp(top[h, c] - m)
+            s += w * total[h, c]
+            for j in range(head_dim):
+                acc[j] += w * o[h, c, j]
+        inv = np.float32(1.0) / s
+        for j in range(head_dim):
+            out[h * head_dim + j] = acc[j] * inv
 
 
 @njit(parallel=True, fastmath=True, cache=True)
+def attend_all(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, out, window, softcap):
+    """softmax(q k^T * scale) v for every query head of a token at `pos` whose key and value
+    are already in the caches: (KV head, chunk) work items in parallel, then their merge."""
+    n_chunks = attention_chunks(pos, window)
+    top = np.empty((n_heads, n_chunks), dtype=np.float32)
+    total = np.empty((n_heads, n_chunks), dtype=np.float32)
+    o = np.empty((n_heads, n_chunks, head_dim), dtype=np.float32)
+    for item in prange(n_kv * n_chunks):
+        attend_chunk(item // n_chunks, item % n_chunks, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv,
+                     head_dim, scale, rope, window, softcap, top, total, o)
+    merge_chunks(n_chunks, top, total, o, out, head_dim)
+
+
+@njit(fastmath=True, cache=True)
 def attend_one(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, out, window, softcap):
     """Decode attention for one token at position `pos`, all in one call.
 
     qkv: the fused projection output [q heads | k heads | v heads]; rotates q and k with
     interleaved RoPE (when `rope`), writes k and v into the caches (kv_heads, max_len,
     head_dim) at `pos`, and writes softmax(q k^T * scale) v for every query head to `out`
-    (`window`, `softcap`: as attend_head; 0 for none).
+    (`window`, `softcap`: as `attend_chunk`; 0 for none).
     """
     write_kv(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, rope)
-    for h in prange(n_heads):
-        attend_head(h, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, out, window, softcap)
+    attend_all(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, out, window, softcap)

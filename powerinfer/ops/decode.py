@@ -19,7 +19,7 @@ from numba import njit, prange
 from numba.extending import overload
 
 from .criterion import GATE
-from .cpu import _act, attend_head, dot4, gated_value, rms_norm, row_dot, write_kv
+from .cpu import _act, attend_all, dot4, gated_value, rms_norm, row_dot, write_kv
 from .panels import in_features, matvec_into, out_features
 
 
@@ -40,8 +40,7 @@ def attention_block(x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, pos, cos, si
     matvec_into(wqkv, h, bqkv, qkv, threads)
     write_kv(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, rope)
     attn = np.empty(q_dim, dtype=np.float32)
-    for hd in prange(n_heads):
-        attend_head(hd, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, attn)
+    attend_all(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, attn, 0, np.float32(0.0))
     matvec_into(wo, attn, bo, x, threads)
     rms_norm(x, ffn_norm_w, eps, h_out)
 

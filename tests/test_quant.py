@@ -494,6 +494,25 @@ def test_dense_layers_of_blocks_on_the_gpu_tier(smollm2_path, tmp_path, gpu_tier
         close(m.forward(t[None], cache), ref.forward(t[None], ref_cache))
 
 
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q6_K"])
+def test_the_torch_route_widens_blocks_a_tile_of_rows_at_a_time(monkeypatch, fmt):
+    """The GPU tier's matmul over blocks (`kernels=False`, here on CPU tensors) widens tiles
+    of rows (48 rows of 40 here: a short last tile), never the whole matrix, and equals the
+    fp32 GEMM of the dequantized matrix plus the bias."""
+    from powerinfer.ops import quant_torch, weights
+
+    t = quantized(40, 512, fmt, seed=3)
+    widened = []
+    real = quant_torch.dequantize
+    monkeypatch.setattr(weights, "TIER_TILE_BYTES", 16 * 512 * 4)
+    monkeypatch.setattr(quant_torch, "dequantize", lambda blocks, *a: widened.append(len(blocks)) or real(blocks, *a))
+    w = weights.weight_for(t, kernels=False)
+    x, b = torch.randn(3, 512), torch.randn(40)
+    got = w.matmul(x, b)
+    assert widened == [16, 16, 8]
+    torch.testing.assert_close(got, x @ quant.dequantize(t).t() + b, atol=1e-4, rtol=1e-4)
+
+
 def test_parts_of_mixed_formats_through_the_torch_route():
     """A fused QKV of Q4_K and Q6_K parts (as Q4_K_M files store it) on the GPU tier's torch
     route equals the CPU block kernels' matmul up to their int8 activations' rounding, and

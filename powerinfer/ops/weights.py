@@ -149,11 +149,25 @@ class QuantWeight(Weight):
         return _widened_matmul(self.stored, x, bias)
 
 
+# fp32 bytes of the blocks widened at once on the GPU tier: bounds the widening's transient
+# memory (its intermediates are a few times the tile) whatever the matrix's size
+TIER_TILE_BYTES = 64 << 20
+
+
 def _widened_matmul(t: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + bias for blocks `t` on their device: widened there to a transient fp32 matrix
-    (no float copy persists), fp32 GEMM, result on t's device."""
-    w = quant_torch.dequantize(t)
-    return F.linear(x.to(t.device).float(), w, None if bias is None else bias.to(t.device).float())
+    """x W^T + bias for blocks `t` on their device: widened there a tile of rows at a time
+    (no float copy of the whole matrix persists or is made per call), one fp32 GEMM per
+    tile, result on t's device."""
+    rows, cols = quant.shape_of(t)
+    step = max(1, TIER_TILE_BYTES // (4 * cols))
+    xs = x.to(t.device).float()
+    b = None if bias is None else bias.to(t.device).float()
+    if step >= rows:
+        return F.linear(xs, quant_torch.dequantize(t), b)
+    out = torch.empty(xs.shape[0], rows, device=t.device)
+    for r0 in range(0, rows, step):
+        out[:, r0 : r0 + step] = xs @ quant_torch.dequantize(t[r0 : r0 + step]).t()
+    return out if b is None else out.add_(b)
 
 
 class LaneWeight(Weight):

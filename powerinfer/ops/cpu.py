@@ -185,10 +185,16 @@ CHUNK = 256
 
 
 @njit(inline="always")
+def _attended(pos, window):
+    """(first, end) of the positions a token at `pos` attends to: all, or the last `window`."""
+    length = pos + 1
+    return (length - window if 0 < window < length else 0), length
+
+
+@njit(inline="always")
 def attention_chunks(pos, window):
     """The number of CHUNK-position work items per KV head for a token at `pos`."""
-    length = pos + 1
-    first = length - window if 0 < window < length else 0
+    first, length = _attended(pos, window)
     return (length - first + CHUNK - 1) // CHUNK
 
 
@@ -205,8 +211,7 @@ def attend_chunk(g, c, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head
     softcap) (Gemma 2)."""
     half = head_dim // 2
     rep = n_heads // n_kv
-    length = pos + 1
-    first = length - window if 0 < window < length else 0
+    first, length = _attended(pos, window)
     lo = first + c * CHUNK
     hi = min(lo + CHUNK, length)
     n = hi - lo

@@ -19,7 +19,7 @@ their reference test, registered in `FORMATS`.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import numpy as np
 import torch
@@ -63,8 +63,8 @@ class Weight:
         w = self.rows()
         return F.linear(x.to(w.dtype), w, None if bias is None else bias.to(w.dtype)).float()
 
-    def widen_rows(self, r0: int, out: torch.Tensor) -> None:
-        """Rows r0 .. r0 + len(out) of the matrix into fp32 `out` (CPU half weights)."""
+    def widen_rows(self, r0: int, out: torch.Tensor) -> torch.Tensor:
+        """Rows r0 .. r0 + len(out) of the matrix into fp32 `out`, returned (CPU half weights)."""
         raise NotImplementedError
 
     def tensors(self) -> list[torch.Tensor]:
@@ -76,22 +76,33 @@ class Weight:
 TILE_BYTES = 8 << 20
 
 
-def _tiled_matmul(w: Weight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + bias for half weights on the CPU, whose native half GEMMs are slow: each tile
-    of rows widened to fp32 into one reused buffer, then one fp32 GEMM per tile. No fp32 copy
-    of the whole matrix is made per call (a 7B model's LM head would take 0.5 GB for it); as
-    fast as widening it whole on SmolLM2's layers at 128 tokens, faster on its LM head."""
-    n, k = w.shape
-    rows = max(16, min(n, TILE_BYTES // (4 * k)) // 16 * 16)
-    buf = torch.empty(min(rows, n), k)
-    xt = x.float().t()
-    yt = torch.empty(n, x.shape[0])  # W x^T: a tile's results are contiguous rows
+def _tile_rows(shape: tuple[int, int], tile_bytes: int) -> int:
+    """Rows per widened tile: `tile_bytes` of fp32, a multiple of 16, at least 16."""
+    n, k = shape
+    return max(16, min(n, tile_bytes // (4 * k)) // 16 * 16)
+
+
+def _matmul_by_tiles(x: torch.Tensor, shape: tuple[int, int], tile_bytes: int,
+                     widen: Callable[[int, int], torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
+    """x (T, in) W^T + bias with W (out, in) = `shape` widened to fp32 a tile of rows at a time
+    (`widen(r0, rows)`), one GEMM per tile, on x's device: no fp32 copy of the whole matrix
+    is made per call."""
+    n = shape[0]
+    rows = _tile_rows(shape, tile_bytes)
+    y = torch.empty(x.shape[0], n, device=x.device)
     for r0 in range(0, n, rows):
         m = min(rows, n - r0)
-        w.widen_rows(r0, buf[:m])
-        torch.mm(buf[:m], xt, out=yt[r0 : r0 + m])
-    y = yt.t().contiguous()
-    return y if bias is None else y.add_(bias.float())
+        y[:, r0 : r0 + m] = x @ widen(r0, m).t()
+    return y if bias is None else y.add_(bias.to(y.device).float())
+
+
+def _tiled_matmul(w: Weight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + bias for half weights on the CPU, whose native half GEMMs are slow: each tile
+    of rows widened into one reused fp32 buffer (a 7B model's LM head widened whole would
+    take 0.5 GB); as fast as widening the whole matrix on SmolLM2's layers at 128 tokens,
+    faster on its LM head."""
+    buf = torch.empty(min(_tile_rows(w.shape, TILE_BYTES), w.shape[0]), w.shape[1])
+    return _matmul_by_tiles(x.float(), w.shape, TILE_BYTES, lambda r0, m: w.widen_rows(r0, buf[:m]), bias)
 
 
 class RowWeight(Weight):
@@ -106,8 +117,8 @@ class RowWeight(Weight):
         w = self.stored
         return w.float() if w.device.type == "cpu" and w.dtype != torch.float32 else w
 
-    def widen_rows(self, r0: int, out: torch.Tensor) -> None:
-        out.copy_(self.stored[r0 : r0 + out.shape[0]])
+    def widen_rows(self, r0: int, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(self.stored[r0 : r0 + out.shape[0]])
 
 
 class PanelWeight(Weight):
@@ -120,9 +131,10 @@ class PanelWeight(Weight):
     def rows(self) -> torch.Tensor:
         return rows_from_panels(self.stored)
 
-    def widen_rows(self, r0: int, out: torch.Tensor) -> None:
+    def widen_rows(self, r0: int, out: torch.Tensor) -> torch.Tensor:
         nb, _, p = self.stored.shape
         out.view(out.shape[0], nb, p).copy_(self.stored[:, r0 : r0 + out.shape[0]].transpose(0, 1))
+        return out
 
 
 class QuantWeight(Weight):
@@ -156,18 +168,9 @@ TIER_TILE_BYTES = 64 << 20
 
 def _widened_matmul(t: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T + bias for blocks `t` on their device: widened there a tile of rows at a time
-    (no float copy of the whole matrix persists or is made per call), one fp32 GEMM per
-    tile, result on t's device."""
-    rows, cols = quant.shape_of(t)
-    step = max(1, TIER_TILE_BYTES // (4 * cols))
-    xs = x.to(t.device).float()
-    b = None if bias is None else bias.to(t.device).float()
-    if step >= rows:
-        return F.linear(xs, quant_torch.dequantize(t), b)
-    out = torch.empty(xs.shape[0], rows, device=t.device)
-    for r0 in range(0, rows, step):
-        out[:, r0 : r0 + step] = xs @ quant_torch.dequantize(t[r0 : r0 + step]).t()
-    return out if b is None else out.add_(b)
+    (`_matmul_by_tiles`), result on t's device."""
+    return _matmul_by_tiles(x.to(t.device).float(), quant.shape_of(t), TIER_TILE_BYTES,
+                            lambda r0, m: quant_torch.dequantize(t[r0 : r0 + m]), bias)
 
 
 class LaneWeight(Weight):

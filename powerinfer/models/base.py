@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from .cache import KVCache
 from .ffn import FFN, DenseFFN
+from .stack import LayerStack, layer_stack
 from ..ops import api, lanes, quant, quant_torch
 from ..ops.linear import Linear
 
@@ -329,6 +330,9 @@ class Model:
         self._rope: dict[bool, torch.Tensor] = {}
         self._rope_cs: dict[bool, tuple[np.ndarray, np.ndarray]] = {}
         self._decode_bufs = threading.local()  # per thread: the FFN input at fused decode
+        self.stack_decode = True  # one kernel call per decode token where the layers allow it
+        self._stack: LayerStack | None = None
+        self._stack_ffns: list[Any] | None = None
         scale = args.attn_scale if args.attn_scale is not None else args.head_dim**-0.5
         self._attn_shape = api.AttentionShape(args.n_heads, args.n_kv_heads, args.head_dim, scale,
                                               args.position == "rope", args.attn_softcap or 0.0)
@@ -473,6 +477,17 @@ class Model:
             return x
         return layer.ffn(torch.from_numpy(h.copy())[None], residual=x)
 
+    def _layer_stack(self) -> LayerStack | None:
+        """The layers gathered for one-call decode (models/stack.py), gathered again when a
+        layer's FFN was swapped (the profiler's); None where decode keeps its per-layer path
+        or `stack_decode` is off."""
+        if not self.stack_decode:
+            return None
+        ffns = [layer.ffn for layer in self.layers]
+        if ffns != self._stack_ffns:
+            self._stack_ffns, self._stack = ffns, layer_stack(self)
+        return self._stack
+
     def attention_weights(self, layer: Layer) -> api.AttentionWeights:
         """The fused decode kernels' record of a layer's attention block (built once)."""
         w = layer.decode_weights
@@ -524,8 +539,12 @@ class Model:
         if start + T > cache.max_len:
             raise ValueError(f"cache holds {cache.max_len} positions, asked for {start + T}")
         x = self.embed_tokens(tokens, start).contiguous()  # fresh: fused decode updates it in place
-        for i, layer in enumerate(self.layers):
-            x = self.block(i, layer, x, cache, start)
+        stack = self._layer_stack() if T == 1 and cache.k_all_np is not None else None
+        if stack is not None:
+            stack.run(self, x[0].numpy(), cache, start)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = self.block(i, layer, x, cache, start)
         cache.length = start + T
         if not all_logits:
             return self.hidden_to_logits(x[-1:])[0]

@@ -14,7 +14,9 @@ class KVCache:
     `length` is the number of positions already filled. Each layer's cache lives on the
     device given for it (CPU memory by default; the GPU tier's with `--kv-on-gpu`).
     `k_np`/`v_np` are numpy views for the CPU decode kernels, None for a layer whose cache
-    is on the GPU tier (it is then served by torch code on that tier's device).
+    is on the GPU tier (it is then served by torch code on that tier's device); `k_all_np`/
+    `v_all_np` the (layers, ...) blocks they are views of when every layer's is an fp32 CPU
+    cache, else None.
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype,
@@ -30,8 +32,18 @@ class KVCache:
             if need > free:
                 raise BadArgumentError(f"the KV cache for {max_len} positions needs {need / 2**30:.2f} GiB on the GPU, "
                                        f"{free / 2**30:.2f} GiB are free; ask for fewer tokens or drop --kv-on-gpu")
-        self.k = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
-        self.v = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
+        # all layers on the CPU in fp32: one block per kind, each layer's cache a view of it,
+        # so that decode can pass every layer's cache to one kernel call (models/stack.py)
+        one_block = (n_layers > 0 and dtype == torch.float32 and not any(on_tier)
+                     and all(d.type == "cpu" for d in devices))
+        if one_block:
+            k_all, v_all = (torch.zeros((n_layers,) + shape, dtype=dtype) for _ in range(2))
+            self.k, self.v = list(k_all.unbind(0)), list(v_all.unbind(0))
+        else:
+            self.k = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
+            self.v = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
+        self.k_all_np = k_all.numpy() if one_block else None
+        self.v_all_np = v_all.numpy() if one_block else None
         self.k_np = [None if t or k.device.type != "cpu" else k.numpy() for t, k in zip(on_tier, self.k)]
         self.v_np = [None if t or v.device.type != "cpu" else v.numpy() for t, v in zip(on_tier, self.v)]
         self.max_len = max_len

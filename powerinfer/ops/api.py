@@ -208,6 +208,16 @@ def attention_block(w: AttentionWeights, s: AttentionShape, x: np.ndarray, pos: 
                            v_cache, s.n_heads, s.n_kv_heads, s.head_dim, s.scale, s.rope, h_out, panels.threads())
 
 
+def layer_stack(x: np.ndarray, norm_w, eps: float, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_out, b_out,
+                gated: bool, act_id: int, up_act_id: int, pos: int, cos: np.ndarray, sin: np.ndarray,
+                k_all: np.ndarray, v_all: np.ndarray, s: AttentionShape) -> None:
+    """Decode, one token through every layer (`attention_block` then the dense FFN, per
+    layer) in one numba call; the per-layer arrays are numba typed lists (models/stack.py)."""
+    decode.layer_stack(x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_out, b_out, gated, act_id,
+                       up_act_id, pos, cos, sin, k_all, v_all, s.n_heads, s.n_kv_heads, s.head_dim, s.scale, s.rope,
+                       panels.threads())
+
+
 def attend_one(qkv: np.ndarray, s: AttentionShape, pos: int, cos: np.ndarray, sin: np.ndarray, k_cache: np.ndarray,
                v_cache: np.ndarray, out: np.ndarray, window: int = 0) -> None:
     """Decode attention for one token from its fused QKV projection (numba); `window` > 0:

@@ -18,8 +18,13 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload
 
+from numba import types
+
+from . import lanes, quant
+from .block_ir import _quantize_into, quantize_acts
 from .criterion import GATE
 from .cpu import _act, attend_all, dot4, gated_value, rms_norm, row_dot, write_kv
+from .lane_ir import LANES, lane_dots1
 from .panels import in_features, matvec_into, out_features
 
 
@@ -98,6 +103,82 @@ def _gated_hidden_any(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, thresho
         h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden)
 
 
+@njit(parallel=True, fastmath=True, cache=True)
+def _gated_records(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, bb_out):
+    """The gated FFN's neurons for W_in in lanes, as the int8 records of a down projection
+    of `bb_out`-byte blocks, in one parallel pass: per record block of P neurons, the gate
+    and up lane dots of its rows, their values (`_gated_value`), then their records. The same
+    dots, values and records as `_gated_hidden_pre` followed by `quantize_acts`, without the
+    second parallel loop and the serial quantizer (about a sixth of SmolLM2's FFN)."""
+    bb, nb = w_in.shape[3], w_in.shape[1]
+    qa = quantize_acts(h, lanes.record_bytes(w_in))
+    P = 256 if bb_out == 144 or bb_out == 176 or bb_out == 210 else 32
+    rec = 72 * (P // 32)  # block_ir.record_bytes(bb_out)
+    n_blocks = n_ff // P
+    per = P // LANES  # gate groups (and up groups) per record block
+    up0 = n_ff // LANES  # the first group of up rows
+    pre = np.zeros((n_blocks, 2, P), dtype=np.float32)
+    hidden = np.empty(n_ff, dtype=np.float32)
+    out = np.empty(n_blocks * rec, dtype=np.uint8)
+    gs = w_in.strides[0]
+    for blk in prange(n_blocks):
+        # addresses taken here, not before the loop: numba frees an array after its last use
+        # by name, and the kernels read qa through a raw address
+        a0 = qa.ctypes.data
+        for j in range(per):
+            g = blk * per + j
+            dst = pre.ctypes.data + 4 * (2 * P * blk + LANES * j)
+            lane_dots1(bb, w_in.ctypes.data + g * gs, nb, (a0,), (dst,))
+            lane_dots1(bb, w_in.ctypes.data + (up0 + g) * gs, nb, (a0,), (dst + 4 * P,))
+        for k in range(P):
+            i = blk * P + k
+            hidden[i] = _gated_value(pre[blk, 0, k], pre[blk, 1, k], i, n_ff, b_in, act_id, up_act_id, criterion,
+                                     threshold)
+        _quantize_into(hidden[blk * P:(blk + 1) * P], bb_out, out[blk * rec:(blk + 1) * rec])
+    return out
+
+
+def _records_into(w, qa, x):  # pragma: no cover - only its numba overload runs
+    raise NotImplementedError("_records_into() is for numba kernels")
+
+
+@overload(_records_into)
+def _records_into_any(w, qa, x):
+    if w.ndim == 4:
+        return lambda w, qa, x: lanes.add_records_lanes(w, qa, x)
+    return lambda w, qa, x: quant.add_records_q(w, qa, x)
+
+
+def gated_ffn_add(h, w_in, b_in, w_out, b_out, n_ff, act_id, up_act_id, criterion, threshold, x,
+                  threads):  # pragma: no cover - only its numba overload runs
+    raise NotImplementedError("gated_ffn_add() is for numba kernels")
+
+
+def _records_pair(w_in, w_out) -> bool:
+    """Typing time: gate/up in lanes and a down projection in lanes or GGUF row blocks, whose
+    activation records `_gated_records` can write directly."""
+    blocks_out = isinstance(w_out, types.Array) and w_out.dtype == types.uint8 and w_out.ndim in (3, 4)
+    return isinstance(w_in, types.Array) and w_in.ndim == 4 and blocks_out
+
+
+@overload(gated_ffn_add)
+def _gated_ffn_add_any(h, w_in, b_in, w_out, b_out, n_ff, act_id, up_act_id, criterion, threshold, x, threads):
+    if _records_pair(w_in, w_out):
+        def fused(h, w_in, b_in, w_out, b_out, n_ff, act_id, up_act_id, criterion, threshold, x, threads):
+            bb_out = lanes.record_bytes(w_out) if w_out.ndim == 4 else w_out.shape[2]
+            recs = _gated_records(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, bb_out)
+            _records_into(w_out, recs, x)
+            if b_out.shape[0] > 0:
+                x += b_out
+        return fused
+
+    def two_passes(h, w_in, b_in, w_out, b_out, n_ff, act_id, up_act_id, criterion, threshold, x, threads):
+        hidden = np.empty(n_ff, dtype=np.float32)
+        gated_hidden(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads)
+        matvec_into(w_out, hidden, b_out, x, threads)
+    return two_passes
+
+
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def dense_ffn(h, w_in, b_in, w_out, b_out, gated, act_id, up_act_id, criterion, threshold, x, threads):
     """x += FFN(h) in place, every neuron's rows read.
@@ -110,13 +191,28 @@ def dense_ffn(h, w_in, b_in, w_out, b_out, gated, act_id, up_act_id, criterion, 
     read anyway. `threads`: numba's thread count (panels.threads()).
     """
     n_ff = in_features(w_out)
-    hidden = np.empty(n_ff, dtype=np.float32)
     if gated:
-        gated_hidden(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads)
-    else:
-        hidden[:] = 0.0
-        matvec_into(w_in, h, b_in, hidden, threads)
-        for i in range(n_ff):
-            v = _act(hidden[i], act_id)
-            hidden[i] = np.float32(0.0) if criterion != 0 and abs(v) <= threshold else v
+        gated_ffn_add(h, w_in, b_in, w_out, b_out, n_ff, act_id, up_act_id, criterion, threshold, x, threads)
+        return
+    hidden = np.zeros(n_ff, dtype=np.float32)
+    matvec_into(w_in, h, b_in, hidden, threads)
+    for i in range(n_ff):
+        v = _act(hidden[i], act_id)
+        hidden[i] = np.float32(0.0) if criterion != 0 and abs(v) <= threshold else v
     matvec_into(w_out, hidden, b_out, x, threads)
+
+
+@njit(fastmath=True, cache=True, nogil=True)
+def layer_stack(x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_out, b_out, gated, act_id, up_act_id,
+                pos, cos, sin, k_all, v_all, n_heads, n_kv, head_dim, scale, rope, threads):
+    """One decode token through every layer in one call: per layer `attention_block` then
+    `dense_ffn` (no criterion), the same kernels the per-layer path calls, so the result is
+    that path's to the bit. The per-layer arrays come in numba typed lists (one element per
+    layer, alike in type); `k_all`/`v_all` are the (layers, kv_heads, max_len, head_dim)
+    caches. Why: on a small model the Python between two kernel calls was ~15 us a layer,
+    an eighth of a SmolLM2 token."""
+    h = np.empty(x.shape[0], dtype=np.float32)
+    for i in range(len(wqkv)):
+        attention_block(x, norm_w[i], eps, wqkv[i], bqkv[i], wo[i], bo[i], ffn_norm_w[i], pos, cos, sin, k_all[i],
+                        v_all[i], n_heads, n_kv, head_dim, scale, rope, h, threads)
+        dense_ffn(h, w_in[i], b_in[i], w_out[i], b_out[i], gated, act_id, up_act_id, 0, np.float32(0.0), x, threads)

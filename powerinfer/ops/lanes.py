@@ -162,14 +162,26 @@ def _check(w, V, X):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def add_matvec_lanes(w, v, b, x, threads):
-    """x += W v (+ b) for W in lanes: each thread takes groups of 16 rows (`lane_ir`).
-    `threads` is unused: the signature is the panel kernels'."""
-    _check(w, v, x)
+def add_records_lanes(w, qa, x):
+    """x += W v for W in lanes, v given as its int8 records (`quantize_acts(v,
+    record_bytes(w))`): each thread takes groups of 16 rows (`lane_ir`)."""
     G, nb, bb = w.shape[0], w.shape[1], w.shape[3]
-    qa = quantize_acts(v, _row_bytes(bb))
     for g in prange(G):
         lane_dots1(bb, _group(w, g), nb, (qa.ctypes.data,), (x.ctypes.data + 4 * LANES * g,))
+
+
+@njit(inline="always")
+def record_bytes(w):
+    """The block bytes that a lanes matrix's activation records are cut for."""
+    return _row_bytes(w.shape[3])
+
+
+@njit(fastmath=True, cache=True)
+def add_matvec_lanes(w, v, b, x, threads):
+    """x += W v (+ b) for W in lanes: v quantized, then `add_records_lanes`.
+    `threads` is unused: the signature is the panel kernels'."""
+    _check(w, v, x)
+    add_records_lanes(w, quantize_acts(v, _row_bytes(w.shape[3])), x)
     if b.shape[0] > 0:
         for k in range(x.shape[0]):
             x[k] += b[k]

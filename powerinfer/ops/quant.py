@@ -161,13 +161,22 @@ def dequantize_row(w, r, out):
         _dequantize_row_generic(w, r, out)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(fastmath=True, cache=True)
 def add_matvec_q(w, v, b, x, threads):
-    """x += W v (+ b) for quantized W (any block format), in parallel: rows i, i+q, i+2q,
-    i+3q per step (four streams, each block of v's int8 records read once for the four;
-    block_ir). `threads` is unused: the signature is the panel kernels'."""
+    """x += W v (+ b) for quantized W (any block format): v quantized, then
+    `add_records_q`. `threads` is unused: the signature is the panel kernels'."""
+    add_records_q(w, quantize_acts(v, w.shape[2]), x)
+    if b.shape[0] > 0:
+        for k in range(w.shape[0]):
+            x[k] += b[k]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def add_records_q(w, qa, x):
+    """x += W v for quantized W, v given as its int8 records (`quantize_acts(v, w.shape[2])`),
+    in parallel: rows i, i+q, i+2q, i+3q per step (four streams, each block of the records
+    read once for the four; block_ir)."""
     n = w.shape[0]
-    qa = quantize_acts(v, w.shape[2])
     q = n // 4
     for i in prange(q):
         a0, a1, a2, a3 = dot_rows4(w, i, i + q, i + 2 * q, i + 3 * q, qa)
@@ -177,9 +186,6 @@ def add_matvec_q(w, v, b, x, threads):
         x[i + 3 * q] += a3
     for i in range(4 * q, n):
         x[i] += dot_row(w, i, qa)
-    if b.shape[0] > 0:
-        for k in range(n):
-            x[k] += b[k]
 
 
 @njit(parallel=True, fastmath=True, cache=True)

@@ -17,6 +17,7 @@ from numba import njit, prange
 
 from .criterion import GATE_UP
 from .numba_half import widen
+from .vmath import exp32
 
 
 @njit(inline="always", fastmath=True)
@@ -116,7 +117,7 @@ def add_rms_norm(x, delta, weight, eps, out):
 @njit(inline="always", fastmath=True)
 def _act(v, act_id):
     if act_id == 0:
-        return v / (np.float32(1.0) + np.exp(-v))
+        return v / (np.float32(1.0) + exp32(-v))
     if act_id == 1:
         return v if v > 0 else np.float32(0.0)
     if act_id == 2:
@@ -138,7 +139,7 @@ def gated_value(a, u, up_act_id, criterion, threshold):
     return v
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, error_model="numpy")  # vmath: loops of exp32 vectorize
 def gated_act(h, n_ff, act_id, up_act_id, out):
     """out[i] = act(h[i]) * up_act(h[n_ff + i]); up_act_id < 0 means no activation on up."""
     for i in range(n_ff):
@@ -148,7 +149,7 @@ def gated_act(h, n_ff, act_id, up_act_id, out):
         out[i] = _act(h[i], act_id) * up
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, error_model="numpy")  # vmath: loops of exp32 vectorize
 def act_inplace(h, act_id):
     for i in range(h.shape[0]):
         h[i] = _act(h[i], act_id)
@@ -198,7 +199,7 @@ def attention_chunks(pos, window):
     return (length - first + CHUNK - 1) // CHUNK
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, error_model="numpy")  # vmath: loops of exp32 vectorize
 def attend_chunk(g, c, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, window, softcap,
                  top_out, total_out, o_out):
     """KV head g's query heads over chunk c of the attended positions: per head h, the chunk's
@@ -257,7 +258,7 @@ def attend_chunk(g, c, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head
             top = max(top, scores[r, k])
         total = np.float32(0.0)
         for k in range(n):
-            e = np.exp(scores[r, k] - top)
+            e = exp32(scores[r, k] - top)
             scores[r, k] = e
             total += e
         top_out[g * rep + r, c] = top
@@ -279,7 +280,7 @@ def attend_chunk(g, c, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head
     o_out[g * rep : (g + 1) * rep, c] = o
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, error_model="numpy")  # vmath: loops of exp32 vectorize
 def merge_chunks(n_chunks, top, total, o, out, head_dim):
     """Every head's output from its chunks' partial softmaxes (`attend_chunk`): the chunks'
     sums and outputs rescaled to the largest score, then one division (a single chunk is
@@ -291,7 +292,7 @@ def merge_chunks(n_chunks, top, total, o, out, head_dim):
         acc = np.zeros(head_dim, dtype=np.float32)
         s = np.float32(0.0)
         for c in range(n_chunks):
-            w = np.exp(top[h, c] - m)
+            w = exp32(top[h, c] - m)
             s += w * total[h, c]
             for j in range(head_dim):
                 acc[j] += w * o[h, c, j]

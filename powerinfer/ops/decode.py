@@ -26,6 +26,7 @@ from .criterion import GATE
 from .cpu import _act, attend_all, dot4, gated_value, rms_norm, row_dot, write_kv
 from .lane_ir import LANES, lane_dots1
 from .panels import in_features, matvec_into, out_features
+from .vmath import exp32
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
@@ -79,15 +80,35 @@ def _gated_hidden(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, 
                                  criterion, threshold)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(inline="always", fastmath=True)
+def gated_values(g, u, out, i0, n_ff, b_in, act_id, up_act_id, criterion, threshold):
+    """out[k] = `_gated_value`(g[k], u[k]) for neurons i0 + k: the same values, in a loop
+    that vectorizes (with error_model="numpy") for the common FFN: SiLU, no bias, no
+    criterion, nothing on up."""
+    if b_in.shape[0] == 0 and criterion == 0 and up_act_id < 0 and act_id == 0:
+        for k in range(out.shape[0]):
+            v = g[k]
+            out[k] = v / (np.float32(1.0) + exp32(-v)) * u[k]
+    else:
+        for k in range(out.shape[0]):
+            out[k] = _gated_value(g[k], u[k], i0 + k, n_ff, b_in, act_id, up_act_id, criterion, threshold)
+
+
+VALUES_PER_STEP = 64  # neurons per parallel step of the activation pass (whole vectors)
+
+
+@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
 def _gated_hidden_pre(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):
     """_gated_hidden for w_in in panels, GGUF blocks or lanes: the GEMV of all gate and up
     rows first (`panels.matvec_into` picks the kernel; a panel GEMV finishes a neuron's two
     dots only at the last panel), then the neurons' values."""
     pre = np.zeros(2 * n_ff, dtype=np.float32)
     matvec_into(w_in, h, np.zeros(0, dtype=np.float32), pre, threads)  # biases: in _gated_value
-    for i in prange(n_ff):
-        hidden[i] = _gated_value(pre[i], pre[n_ff + i], i, n_ff, b_in, act_id, up_act_id, criterion, threshold)
+    for step in prange((n_ff + VALUES_PER_STEP - 1) // VALUES_PER_STEP):
+        i0 = step * VALUES_PER_STEP
+        i1 = min(i0 + VALUES_PER_STEP, n_ff)
+        gated_values(pre[i0:i1], pre[n_ff + i0:n_ff + i1], hidden[i0:i1], i0, n_ff, b_in, act_id, up_act_id,
+                     criterion, threshold)
 
 
 def gated_hidden(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):  # pragma: no cover
@@ -103,7 +124,7 @@ def _gated_hidden_any(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, thresho
         h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
 def _gated_records(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, bb_out):
     """The gated FFN's neurons for W_in in lanes, as the int8 records of a down projection
     of `bb_out`-byte blocks, in one parallel pass: per record block of P neurons, the gate
@@ -130,10 +151,8 @@ def _gated_records(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold,
             dst = pre.ctypes.data + 4 * (2 * P * blk + LANES * j)
             lane_dots1(bb, w_in.ctypes.data + g * gs, nb, (a0,), (dst,))
             lane_dots1(bb, w_in.ctypes.data + (up0 + g) * gs, nb, (a0,), (dst + 4 * P,))
-        for k in range(P):
-            i = blk * P + k
-            hidden[i] = _gated_value(pre[blk, 0, k], pre[blk, 1, k], i, n_ff, b_in, act_id, up_act_id, criterion,
-                                     threshold)
+        gated_values(pre[blk, 0], pre[blk, 1], hidden[blk * P:(blk + 1) * P], blk * P, n_ff, b_in, act_id,
+                     up_act_id, criterion, threshold)
         _quantize_into(hidden[blk * P:(blk + 1) * P], bb_out, out[blk * rec:(blk + 1) * rec])
     return out
 

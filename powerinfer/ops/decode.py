@@ -5,7 +5,9 @@ one numba call per matmul, norm and attention, SmolLM2-135M spent about 5 ms of 
 token outside the kernels (Python dispatch, numpy/torch views, small torch ops). These
 kernels run a pre-norm attention block (norm, QKV, RoPE, cache write, attention, output
 projection, residual, the FFN's norm) or a dense FFN (gate/up, activation, down, residual)
-in a single call with a few parallel regions inside, so a layer costs two calls.
+in a single call with a few parallel regions inside, so a layer costs two calls, and
+`layer_stack` runs every layer of a token in one call where the layers allow it
+(models/stack.py).
 
 The row dots and attention heads are the same helpers the per-op kernels in `cpu.py` use.
 Weights are numpy views in `numpy_weights` encoding (fp32, bf16 as uint16, fp16 as int16);

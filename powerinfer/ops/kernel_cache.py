@@ -1,0 +1,59 @@
+"""Keeping numba's on-disk kernel cache consistent with this package's sources.
+
+numba checks a cached kernel against its own source file only, but the kernels here inline
+helpers from sibling files (block_ir's dots into quant_sparse, decode's blocks into the
+layer stack): after an edit to one file, another file's cache would still hold machine code
+built from the old helper, and run it. So the whole package's cache is dropped when any of
+its sources changes, judged by a digest of their contents kept next to the cache files.
+An installed package is unaffected (an upgrade rewrites every file, which numba's own check
+catches); this guards a working tree being edited.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+STAMP = "powerinfer-sources.sha256"
+
+
+def sources_digest(src_dir: Path) -> str:
+    """SHA-256 over the names and contents of the .py files in `src_dir`."""
+    h = hashlib.sha256()
+    for path in sorted(src_dir.glob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def drop_stale(src_dir: Path, cache_dir: Path) -> bool:
+    """Delete numba's cache files (*.nbi, *.nbc) in `cache_dir` unless they were made from the
+    sources now in `src_dir`; record the current digest. Returns whether files were dropped.
+    Never raises: a cache that cannot be cleaned is numba's to rebuild or to trust, as before."""
+    try:
+        digest = sources_digest(src_dir)
+        stamp = cache_dir / STAMP
+        if stamp.exists() and stamp.read_text().strip() == digest:
+            return False
+        dropped = False
+        if cache_dir.is_dir():
+            for f in list(cache_dir.glob("*.nbi")) + list(cache_dir.glob("*.nbc")):
+                f.unlink(missing_ok=True)
+                dropped = True
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = cache_dir / f"{STAMP}.{os.getpid()}"
+        tmp.write_text(digest + "\n")
+        tmp.replace(stamp)  # atomic: a concurrent importer sees the old stamp or the new one
+        return dropped
+    except OSError:
+        return False
+
+
+def drop_stale_package_cache() -> None:
+    """`drop_stale` for this package (ops/), where numba keeps its cache by default; skipped
+    when NUMBA_CACHE_DIR moves the cache elsewhere."""
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return
+    here = Path(__file__).resolve().parent
+    drop_stale(here, here / "__pycache__")

@@ -38,10 +38,12 @@ def main() -> None:
     ap.add_argument("--dtypes", default="native,bf16")
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-dtype", default="fp32", choices=["fp32", "fp16"], help="KV cache dtype")
     args = ap.parse_args()
     dtypes = args.dtypes.split(",")
     batches = [int(b) for b in args.batches.split(",")]
-    models = {d: powerinfer.load(args.model, dtype=d, threads=args.threads).model for d in dtypes}
+    models = {d: powerinfer.load(args.model, dtype=d, threads=args.threads, kv_dtype=args.kv_dtype).model
+              for d in dtypes}
     for m in models.values():
         warm_up(m)
     times: dict[tuple[str, int], list[float]] = {(d, b): [] for d in dtypes for b in batches}

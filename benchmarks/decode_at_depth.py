@@ -1,10 +1,12 @@
 """Decode speed as the context grows: ours vs llama.cpp on the same GGUF file, alternating.
 
     python benchmarks/decode_at_depth.py [--file F] [--depths 0,512,1024,2000] [--rounds 2]
+        [--kv-dtypes fp32,fp16]
 
 For each round and depth: llama-bench `-p 0 -n GEN -d DEPTH -t 2` (decode after DEPTH
-prompt tokens), then ours in a fresh process (a DEPTH-token prompt prefilled, then GEN
-decode tokens timed after 4 warm-up tokens); medians over the rounds. The default file is
+prompt tokens; its KV cache is fp16 by default), then ours in a fresh process per KV cache
+dtype (a DEPTH-token prompt prefilled, then GEN decode tokens timed after 4 warm-up
+tokens); medians over the rounds. The default file is
 the embedded default model. Decode at depth is where attention over the KV cache, not the
 weights, takes the time (ops/cpu.py, `attend_chunk`).
 """
@@ -29,18 +31,19 @@ def llama_decode(path: str, depth: int, gen: int, threads: int) -> float:
     return float(json.loads(out)[0]["avg_ts"])
 
 
-def ours_decode(path: str, depth: int, gen: int, threads: int) -> float:
+def ours_decode(path: str, depth: int, gen: int, threads: int, kv_dtype: str) -> float:
     out = subprocess.run([sys.executable, __file__, "--child", path, "--depths", str(depth), "--gen", str(gen),
-                          "-t", str(threads)], capture_output=True, text=True, check=True).stdout
+                          "-t", str(threads), "--kv-dtypes", kv_dtype], capture_output=True, text=True,
+                         check=True).stdout
     return float(out.split()[-1])
 
 
-def child(path: str, depth: int, gen: int, threads: int) -> None:
+def child(path: str, depth: int, gen: int, threads: int, kv_dtype: str) -> None:
     import torch
 
     import powerinfer
 
-    lm = powerinfer.load(path, dtype="native", threads=threads, with_tokenizer=False)
+    lm = powerinfer.load(path, dtype="native", threads=threads, with_tokenizer=False, kv_dtype=kv_dtype)
     m = lm.model
     cache = m.new_cache(depth + gen + 8)
     if depth:
@@ -61,28 +64,36 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--kv-dtypes", default="fp32,fp16", help="our KV cache dtypes, each measured")
     ap.add_argument("--child")
     a = ap.parse_args()
     depths = [int(d) for d in a.depths.split(",")]
+    kvs = a.kv_dtypes.split(",")
     if a.child:
-        child(a.child, depths[0], a.gen, a.threads)
+        child(a.child, depths[0], a.gen, a.threads, kvs[0])
         return
     from powerinfer.paths import default_model_path
 
     path = a.file or default_model_path()
     peer: dict[int, list[float]] = {d: [] for d in depths}
-    ours: dict[int, list[float]] = {d: [] for d in depths}
+    ours: dict[tuple[str, int], list[float]] = {(k, d): [] for k in kvs for d in depths}
     for r in range(a.rounds):
         for d in depths:
             peer[d].append(llama_decode(path, d, a.gen, a.threads))
-            ours[d].append(ours_decode(path, d, a.gen, a.threads))
-            print(f"round {r + 1}, depth {d}: llama.cpp {peer[d][-1]:.1f}, ours {ours[d][-1]:.1f} tok/s", flush=True)
+            for k in kvs:
+                ours[k, d].append(ours_decode(path, d, a.gen, a.threads, k))
+            print(f"round {r + 1}, depth {d}: llama.cpp {peer[d][-1]:.1f}, ours "
+                  + ", ".join(f"{ours[k, d][-1]:.1f} (KV {k})" for k in kvs) + " tok/s", flush=True)
     print(f"\n{os.path.basename(path)}, {a.threads} threads, {a.gen} decode tokens, {a.rounds} rounds (medians)\n")
-    print("| depth | llama.cpp decode tok/s | ours decode tok/s | ratio (per round) |\n|---|---|---|---|")
+    print("| depth | llama.cpp decode tok/s | " + " | ".join(f"ours, KV {k}: tok/s, ratio (per round)" for k in kvs)
+          + " |\n|---|---|" + "---|" * len(kvs))
     for d in depths:
-        ratios = " / ".join(f"{o / p:.2f}x" for o, p in zip(ours[d], peer[d]))
-        print(f"| {d} | {statistics.median(peer[d]):.1f} | {statistics.median(ours[d]):.1f} | "
-              f"**{statistics.median(ours[d]) / statistics.median(peer[d]):.2f}x** ({ratios}) |")
+        cells = []
+        for k in kvs:
+            ratios = " / ".join(f"{o / p:.2f}x" for o, p in zip(ours[k, d], peer[d]))
+            med = statistics.median(ours[k, d])
+            cells.append(f"{med:.1f}, **{med / statistics.median(peer[d]):.2f}x** ({ratios})")
+        print(f"| {d} | {statistics.median(peer[d]):.1f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 throughput with 1, 2, 4 and 8 concurrent streaming clients, with each client's p50/p95
 inter-token gap (embedded SmolLM2 by default, its own Q4_1 weights in both paths).
 
-    python benchmarks/server_vs_inprocess.py [--model PATH] [--tokens 64] [--max-batch 8]
+    python benchmarks/server_vs_inprocess.py [--model PATH] [--tokens 64] [--max-batch 8] [--kv-dtype fp16]
 """
 
 from __future__ import annotations
@@ -57,18 +57,19 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--max-batch", type=int, default=8, help="server --max-batch")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-dtype", default="fp32", choices=["fp32", "fp16"], help="KV cache dtype, both paths")
     args = ap.parse_args()
     from openai import OpenAI
 
     port = free_port()
     cmd = [sys.executable, "-m", "powerinfer.cli", "serve", "--port", str(port), "--model-name", "m", "-t",
-           str(args.threads), "--max-batch", str(args.max_batch), "--queue-size", "16"]
+           str(args.threads), "--max-batch", str(args.max_batch), "--queue-size", "16", "--kv-dtype", args.kv_dtype]
     if args.model:
         cmd += ["-m", args.model]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
-        lm = powerinfer.load(args.model, dtype="native", threads=args.threads)  # as the server loads it
+        lm = powerinfer.load(args.model, dtype="native", threads=args.threads, kv_dtype=args.kv_dtype)  # as the server
         prompt = PROMPTS[0]
         list(powerinfer.stream_generate(lm, prompt, 8, temperature=0))  # warm-up
         for _ in range(240):

@@ -56,6 +56,18 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPES[name]
 
 
+KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+def parse_kv_dtype(name: str | torch.dtype) -> torch.dtype:
+    """The KV cache dtype for `--kv-dtype` (fp32 or fp16)."""
+    if isinstance(name, torch.dtype) and name in KV_DTYPES.values():
+        return name
+    if name not in KV_DTYPES:
+        raise BadArgumentError(f"unknown KV cache dtype {name!r} (choose {', '.join(KV_DTYPES)})")
+    return KV_DTYPES[name]
+
+
 def resolve_model_path(path: str | None) -> str:
     """The model path as given (a hub id `org/name` resolved through the Hugging Face cache),
     or the embedded default; refuse what is not a model."""
@@ -162,15 +174,18 @@ def set_threads(threads: int | None) -> None:
 
 
 def load(path: str | None = None, dtype: str | torch.dtype = "native", threads: int | None = None,
-         with_tokenizer: bool = True) -> LoadedModel:
+         with_tokenizer: bool = True, kv_dtype: str | torch.dtype = "fp32") -> LoadedModel:
     """Load a model for generation. `path`: .gguf file, HF directory, or None for the default.
     `dtype`: native (the default, as the CLI: each tensor as the file stores it, GGUF quantized
-    blocks stay blocks, F16 stays fp16), or fp32, bf16, fp16 (weights converted)."""
+    blocks stay blocks, F16 stays fp16), or fp32, bf16, fp16 (weights converted). `kv_dtype`:
+    the KV cache's, fp32 (default) or fp16 (half the memory and attention reads)."""
     set_threads(threads)
+    kv = parse_kv_dtype(kv_dtype)
     path = resolve_model_path(path)
     torch_dtype = parse_dtype(dtype)
     args, state, release = open_model(path, native=torch_dtype is None)
     model = Model(args, state, torch_dtype, release=release)
+    model.kv_dtype = kv
     del state  # the last references to the mapped file: its cached pages can go now
     drop_file_cache(*model_files(path))
     tokenizer = load_tokenizer(path, args.eos_token_ids) if with_tokenizer else None

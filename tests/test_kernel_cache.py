@@ -47,3 +47,36 @@ def test_the_package_stamp_matches_its_sources():
     here = Path(ops.__file__).parent
     stamp = here / "__pycache__" / kernel_cache.STAMP
     assert stamp.read_text().strip() == kernel_cache.sources_digest(here)
+
+
+def _save_many(cache_dir: str, key: str, start, rounds: int) -> None:
+    import powerinfer.ops  # noqa: F401  (installs the locks in this process too)
+    from numba.core.caching import IndexDataCacheFile
+
+    start.wait()
+    for i in range(rounds):
+        f = IndexDataCacheFile(cache_dir, "kernel", source_stamp=("stamp", 1))
+        f.save((key, i % 3), {"key": key, "i": i % 3})
+
+
+def test_concurrent_saves_keep_each_signature_in_its_own_file(tmp_path: Path):
+    """Two processes saving different signatures of one kernel at once: every signature
+    keeps its own data file (numba alone could give two signatures the same file)."""
+    import multiprocessing as mp
+
+    from numba.core.caching import IndexDataCacheFile
+
+    ctx = mp.get_context("fork")
+    start = ctx.Event()
+    procs = [ctx.Process(target=_save_many, args=(str(tmp_path), key, start, 60)) for key in ("a", "b")]
+    for p in procs:
+        p.start()
+    start.set()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    f = IndexDataCacheFile(str(tmp_path), "kernel", source_stamp=("stamp", 1))
+    index = f._load_index()
+    assert len(index) == 6 and len(set(index.values())) == 6
+    for key, i in index:
+        assert f.load((key, i)) == {"key": key, "i": i}

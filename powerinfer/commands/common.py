@@ -7,7 +7,7 @@ import sys
 
 from ..engine.sample import SamplingParams
 from ..errors import BadArgumentError
-from ..loader import DTYPES, NATIVE, LoadedModel, load, resolve_model_path
+from ..loader import DTYPES, KV_DTYPES, NATIVE, LoadedModel, load, resolve_model_path
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,6 +17,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=[*DTYPES, NATIVE], default=NATIVE,
                    help="weight dtype: native (default: as the file stores them, GGUF quantized blocks kept), "
                         "or fp32, bf16, fp16 (converted at load)")
+    p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="fp32",
+                   help="KV cache dtype: fp32 (default) or fp16 (half the cache's memory and the attention's "
+                        "reads, as llama.cpp's default; keys and values rounded to fp16)")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,14 +76,14 @@ def load_from_args(args: argparse.Namespace) -> LoadedModel:
             print(f"loading the packed model {packed} (mode {mode}) ...", file=sys.stderr, flush=True)
             return load_packed(packed, mode=mode, dtype=args.dtype, threads=args.threads,
                                gpu_device=args.gpu_device, model_hash=model_hash,
-                               kv_on_gpu=getattr(args, "kv_on_gpu", False))
+                               kv_on_gpu=getattr(args, "kv_on_gpu", False), kv_dtype=getattr(args, "kv_dtype", "fp32"))
     if getattr(args, "kv_on_gpu", False):
         if mode == "dense":
             raise BadArgumentError("--kv-on-gpu needs the packed engine; the dense engine keeps everything on the CPU "
                                    "(use --mode sparse, oracle or offload after `powerinfer prepare`)")
         print("note: --kv-on-gpu has no effect with the dense engine", file=sys.stderr)
     print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
-    return load(args.model, dtype=args.dtype, threads=args.threads)
+    return load(args.model, dtype=args.dtype, threads=args.threads, kv_dtype=getattr(args, "kv_dtype", "fp32"))
 
 
 def _auto_choice(packed: str) -> str | None:

@@ -19,7 +19,7 @@ import torch
 from ..errors import BadArgumentError
 from ..formats.finite import check_finite
 from ..formats.packed import SHARDS, PackedManifest, PackedModelError, read_manifest
-from ..loader import LoadedModel, parse_dtype, set_threads
+from ..loader import LoadedModel, parse_dtype, parse_kv_dtype, set_threads
 from ..models.base import DenseTier, Model, ModelArgs
 from ..ops import quant
 from ..ops.ffn_rows import FFNSpec
@@ -134,7 +134,7 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
                 gpu_device: str | None = None, model_hash: str | None = None,
                 with_tokenizer: bool = True, kv_on_gpu: bool = False,
                 predictor_bypass: float | None = PREDICTOR_BYPASS,
-                gpu_dtype: str | torch.dtype | None = None) -> LoadedModel:
+                gpu_dtype: str | torch.dtype | None = None, kv_dtype: str | torch.dtype = "fp32") -> LoadedModel:
     """Load the packed model at `path` for `mode` (sparse, oracle, dense or offload).
 
     The load plan (engine/plan.py) decides each layer's strategy from the manifest and the
@@ -145,7 +145,8 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
     `kv_on_gpu` puts the KV cache there too.
 
     `gpu_dtype`: the GPU tier's weight dtype; by default `dtype`, except that fp32 becomes
-    fp16 on a CUDA device (tests ask for fp32 there, to compare tightly).
+    fp16 on a CUDA device (tests ask for fp32 there, to compare tightly). `kv_dtype`: the KV
+    cache's in CPU memory, fp32 or fp16 (on CUDA it is fp16, as the placement budgets it).
 
     Refuses, with one clear message, directories that are not packed models, manifests with
     a missing or mistyped field, shards that are truncated or corrupt, tensors that do not
@@ -153,6 +154,7 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
     the machine cannot hold.
     """
     set_threads(threads)
+    kv = parse_kv_dtype(kv_dtype)
     manifest = read_manifest(path)
     if model_hash is not None and manifest.source.hash != model_hash:
         raise PackedModelError(f"{path}: packed from model {manifest.source.hash}, not this one ({model_hash}); "
@@ -181,6 +183,7 @@ def load_packed(path: str, mode: str = "sparse", dtype: str | torch.dtype = "fp3
     tier = DenseTier(device=dev if any_dense_on_tier else None, dtype=tier_dtype,
                      attention=list(plan.attention_on_gpu), head=plan.head_on_gpu, kv=kv_on_gpu)
     model = Model(args, dense_state, torch_dtype, ffns=ffns, tier=tier)
+    model.kv_dtype = kv
     del dense_state, shards  # every tensor now has its own copy: the shards' cached pages can go
     drop_file_cache(*(os.path.join(path, s.file) for s in manifest.shards.values()))
     engine = PackedEngine(path, manifest, plan, stats, str(dev))

@@ -331,6 +331,7 @@ class Model:
         self._rope_cs: dict[bool, tuple[np.ndarray, np.ndarray]] = {}
         self._decode_bufs = threading.local()  # per thread: the FFN input at fused decode
         self.stack_decode = True  # one kernel call per decode token where the layers allow it
+        self.kv_dtype = torch.float32  # of KV caches in CPU memory: fp32 or fp16 (`--kv-dtype`)
         self._stack: LayerStack | None = None
         self._stack_ffns: list[Any] | None = None
         scale = args.attn_scale if args.attn_scale is not None else args.head_dim**-0.5
@@ -371,8 +372,16 @@ class Model:
         """A KV cache for up to `max_len` positions: in CPU memory, or on the GPU tier for
         `--kv-on-gpu`."""
         a = self.args
-        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len, torch.float32, tier_device=self.tier.device,
-                       on_tier=[self.tier.kv] * a.n_layers)
+        return KVCache(a.n_layers, a.n_kv_heads, a.head_dim, max_len, self.kv_dtype, tier_device=self.tier.device,
+                       on_tier=[self.tier.kv] * a.n_layers, tier_dtype=self._tier_kv_dtype())
+
+    def _tier_kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype on the GPU tier: fp16 on CUDA (what the placement solver
+        budgets, offline/solve.py) or for a half tier; else the CPU caches' dtype."""
+        t = self.tier
+        if t.device is not None and (t.device.type == "cuda" or t.dtype in (torch.float16, torch.bfloat16)):
+            return torch.float16
+        return self.kv_dtype
 
     # -- forward -------------------------------------------------------------------------
     def embed_tokens(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
@@ -424,6 +433,7 @@ class Model:
             q = _rotate(q, rot)
             k = _rotate(k, rot)
         keys, values = cache.update(layer_idx, start, k, v)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # an fp16 cache: its rounded values
         S = start + T
         window = a.sliding_window if self._windowed[layer_idx] else None
         if a.attn_softcap is not None:

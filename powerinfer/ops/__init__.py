@@ -3,7 +3,8 @@
 reference.py holds the plain-torch definitions (the oracle), cpu.py the numba kernels.
 """
 
-from .kernel_cache import drop_stale_package_cache
+from .kernel_cache import drop_stale_package_cache, lock_cache_files
 
 # before any kernel is loaded from numba's cache (see kernel_cache.py)
 drop_stale_package_cache()
+lock_cache_files()

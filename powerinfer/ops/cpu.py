@@ -16,7 +16,7 @@ import torch
 from numba import njit, prange
 
 from .criterion import GATE_UP
-from .numba_half import widen
+from .numba_half import narrow, widen
 from .vmath import exp32
 
 
@@ -158,7 +158,7 @@ def act_inplace(h, act_id):
 @njit(fastmath=True, cache=True)
 def write_kv(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, rope):
     """Rotate the token's keys (interleaved RoPE when `rope`) and store keys and values in
-    the (kv_heads, max_len, head_dim) caches at `pos`."""
+    the (kv_heads, max_len, head_dim) caches at `pos` (fp32, or fp16 bits as int16)."""
     half = head_dim // 2
     q_dim = n_heads * head_dim
     kv_dim = n_kv * head_dim
@@ -169,13 +169,13 @@ def write_kv(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, rope
             k1 = qkv[base + 2 * i + 1]
             if rope:
                 c, s = cos[pos, i], sin[pos, i]
-                k_cache[g, pos, 2 * i] = k0 * c - k1 * s
-                k_cache[g, pos, 2 * i + 1] = k0 * s + k1 * c
+                k_cache[g, pos, 2 * i] = narrow(k0 * c - k1 * s, k_cache)
+                k_cache[g, pos, 2 * i + 1] = narrow(k0 * s + k1 * c, k_cache)
             else:
-                k_cache[g, pos, 2 * i] = k0
-                k_cache[g, pos, 2 * i + 1] = k1
+                k_cache[g, pos, 2 * i] = narrow(k0, k_cache)
+                k_cache[g, pos, 2 * i + 1] = narrow(k1, k_cache)
         for j in range(head_dim):
-            v_cache[g, pos, j] = qkv[q_dim + kv_dim + g * head_dim + j]
+            v_cache[g, pos, j] = narrow(qkv[q_dim + kv_dim + g * head_dim + j], v_cache)
 
 
 # Positions per work item of decode attention. A KV head's query heads (GQA) share one pass
@@ -237,17 +237,17 @@ def attend_chunk(g, c, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head
             a0 = a1 = a2 = a3 = np.float32(0.0)
             for j in range(head_dim):
                 qj = q[r, j]
-                a0 += qj * K[t, j]
-                a1 += qj * K[t + 1, j]
-                a2 += qj * K[t + 2, j]
-                a3 += qj * K[t + 3, j]
+                a0 += qj * widen(K[t, j])
+                a1 += qj * widen(K[t + 1, j])
+                a2 += qj * widen(K[t + 2, j])
+                a3 += qj * widen(K[t + 3, j])
             scores[r, t - lo], scores[r, t - lo + 1], scores[r, t - lo + 2], scores[r, t - lo + 3] = a0, a1, a2, a3
         t += 4
     while t < hi:
         for r in range(rep):
             a0 = np.float32(0.0)
             for j in range(head_dim):
-                a0 += q[r, j] * K[t, j]
+                a0 += q[r, j] * widen(K[t, j])
             scores[r, t - lo] = a0
         t += 1
     for r in range(rep):
@@ -269,13 +269,14 @@ def attend_chunk(g, c, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head
         for r in range(rep):
             p0, p1, p2, p3 = scores[r, t - lo], scores[r, t - lo + 1], scores[r, t - lo + 2], scores[r, t - lo + 3]
             for j in range(head_dim):
-                o[r, j] += p0 * V[t, j] + p1 * V[t + 1, j] + p2 * V[t + 2, j] + p3 * V[t + 3, j]
+                o[r, j] += (p0 * widen(V[t, j]) + p1 * widen(V[t + 1, j]) + p2 * widen(V[t + 2, j])
+                                + p3 * widen(V[t + 3, j]))
         t += 4
     while t < hi:
         for r in range(rep):
             p0 = scores[r, t - lo]
             for j in range(head_dim):
-                o[r, j] += p0 * V[t, j]
+                o[r, j] += p0 * widen(V[t, j])
         t += 1
     o_out[g * rep : (g + 1) * rep, c] = o
 

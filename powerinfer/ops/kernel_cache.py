@@ -7,10 +7,17 @@ built from the old helper, and run it. So the whole package's cache is dropped w
 its sources changes, judged by a digest of their contents kept next to the cache files.
 An installed package is unaffected (an upgrade rewrites every file, which numba's own check
 catches); this guards a working tree being edited.
+
+Second, numba's cache index is a load-modify-write of one file per kernel: two processes
+saving different signatures of one kernel at once can both pick the same data file, and a
+later process then runs one signature's machine code for the other (a segfault, met with
+the test suite's two workers once the KV cache came in two dtypes). `lock_cache_files`
+serializes saves per index with a lock file, and loads wait for a save in progress.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from pathlib import Path
@@ -57,3 +64,47 @@ def drop_stale_package_cache() -> None:
         return
     here = Path(__file__).resolve().parent
     drop_stale(here, here / "__pycache__")
+
+
+def lock_cache_files() -> None:
+    """Wrap numba's cache-file save and load (numba.core.caching.IndexDataCacheFile) in a
+    POSIX file lock next to each index: exclusive for a save, shared for a load. Without
+    fcntl (Windows) or where numba's class has changed shape, nothing is wrapped."""
+    try:
+        import fcntl
+
+        from numba.core import caching
+    except ImportError:
+        return
+    cls = getattr(caching, "IndexDataCacheFile", None)
+    if cls is None or getattr(cls, "_powerinfer_locked", False) or not (hasattr(cls, "save") and hasattr(cls, "load")):
+        return
+    save, load = cls.save, cls.load
+
+    @contextlib.contextmanager
+    def locked(index_file, kind):
+        path = getattr(index_file, "_index_path", None)
+        try:
+            f = open(f"{path}.lock", "ab") if path else None
+        except OSError:
+            f = None
+        if f is None:  # no lock to be had: numba's own behaviour
+            yield
+            return
+        with f:
+            fcntl.flock(f, kind)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def locked_save(self, key, data):
+        with locked(self, fcntl.LOCK_EX):
+            return save(self, key, data)
+
+    def locked_load(self, key):
+        with locked(self, fcntl.LOCK_SH):
+            return load(self, key)
+
+    cls.save, cls.load = locked_save, locked_load
+    cls._powerinfer_locked = True

@@ -7,6 +7,9 @@ numpy dtype so that each kernel compiles one branch-free specialisation per dtyp
 * float32 -> as is;
 * uint16  -> bfloat16 bits: the top half of an fp32 (shift, bit-cast);
 * int16   -> float16 bits: LLVM `fpext half` (F16C on x86), through a tiny intrinsic.
+
+`narrow(v, like)` is the way back for the stores of an fp16 KV cache: v in the element
+encoding of the array `like` (fp32 as is, int16 as fp16 bits, rounded to nearest even).
 """
 
 from __future__ import annotations
@@ -29,6 +32,33 @@ def _fp16_bits_to_f32(typingctx, bits):
         return builder.fpext(half, ir.FloatType())
 
     return sig, codegen
+
+
+@intrinsic
+def _f32_to_fp16_bits(typingctx, v):
+    if v != types.float32:
+        return None
+    sig = types.int16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return sig, codegen
+
+
+def narrow(v, like):  # pragma: no cover - only its numba overload runs
+    raise NotImplementedError("narrow() is for numba kernels")
+
+
+@overload(narrow, inline="always", fastmath=True)
+def _narrow(v, like):
+    if not isinstance(like, types.Array):
+        return None
+    if isinstance(like.dtype, types.Float):
+        return lambda v, like: np.float32(v)
+    if like.dtype == types.int16:
+        return lambda v, like: _f32_to_fp16_bits(np.float32(v))
+    return None
 
 
 def widen(v):  # pragma: no cover - only its numba overload runs

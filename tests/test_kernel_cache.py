@@ -50,25 +50,38 @@ def test_the_package_stamp_matches_its_sources():
 
 
 def _save_many(cache_dir: str, key: str, start, rounds: int) -> None:
-    import powerinfer.ops  # noqa: F401  (installs the locks in this process too)
+    import time
+
     from numba.core.caching import IndexDataCacheFile
 
+    from powerinfer.ops import kernel_cache
+
+    kernel_cache.lock_cache_files()  # as importing powerinfer.ops does (already, under fork)
+    load_index = IndexDataCacheFile._load_index
+
+    def slow_load_index(self):  # widen numba's window between reading and writing the index
+        index = load_index(self)
+        time.sleep(0.02)
+        return index
+
+    IndexDataCacheFile._load_index = slow_load_index
     start.wait()
     for i in range(rounds):
         f = IndexDataCacheFile(cache_dir, "kernel", source_stamp=("stamp", 1))
-        f.save((key, i % 3), {"key": key, "i": i % 3})
+        f.save((key, i), {"key": key, "i": i})
 
 
 def test_concurrent_saves_keep_each_signature_in_its_own_file(tmp_path: Path):
     """Two processes saving different signatures of one kernel at once: every signature
-    keeps its own data file (numba alone could give two signatures the same file)."""
+    keeps its own data file (without the lock both read the index, both take the first free
+    name, and one signature's file then holds the other's code)."""
     import multiprocessing as mp
 
     from numba.core.caching import IndexDataCacheFile
 
     ctx = mp.get_context("fork")
     start = ctx.Event()
-    procs = [ctx.Process(target=_save_many, args=(str(tmp_path), key, start, 60)) for key in ("a", "b")]
+    procs = [ctx.Process(target=_save_many, args=(str(tmp_path), key, start, 4)) for key in ("a", "b")]
     for p in procs:
         p.start()
     start.set()
@@ -77,6 +90,6 @@ def test_concurrent_saves_keep_each_signature_in_its_own_file(tmp_path: Path):
         assert p.exitcode == 0
     f = IndexDataCacheFile(str(tmp_path), "kernel", source_stamp=("stamp", 1))
     index = f._load_index()
-    assert len(index) == 6 and len(set(index.values())) == 6
+    assert len(index) == 8 and len(set(index.values())) == 8
     for key, i in index:
         assert f.load((key, i)) == {"key": key, "i": i}

@@ -39,8 +39,8 @@ $(STAMP): pyproject.toml Makefile
 # the first time on 2 cores), then generate with the sparse engine and, for comparison, the
 # dense one (bf16 weights, then the file's own Q4_1 blocks), each printing its speeds.
 run: setup
-	$(VENV)/bin/powerinfer prepare
-	$(VENV)/bin/powerinfer generate --chat -p "$(PROMPT)" -n 128 --temperature 0 --dtype bf16 --stats --mode sparse
+	$(VENV)/bin/powerinfer prepare --dtype native
+	$(VENV)/bin/powerinfer generate --chat -p "$(PROMPT)" -n 128 --temperature 0 --dtype native --stats --mode sparse
 	$(VENV)/bin/powerinfer generate --chat -p "$(PROMPT)" -n 128 --temperature 0 --dtype bf16 --stats --mode dense
 	$(VENV)/bin/powerinfer generate --chat -p "$(PROMPT)" -n 128 --temperature 0 --dtype native --stats --mode dense
 

@@ -420,6 +420,22 @@ def test_dense_parts_and_kv_cache_on_the_gpu_tier_equal_dense(relu, mode, gpu_ti
     torch.testing.assert_close(decode_logits(cpu_kv, ids), decode_logits(dense, ids), atol=2e-5, rtol=1e-5)
 
 
+def test_kv_cache_on_a_half_tier_is_fp16_as_budgeted(relu):
+    """--kv-on-gpu with a half GPU tier (CUDA's default; here bf16 on CPU tensors): the tier's
+    cache is fp16, as the placement solver counts it (offline/solve.py), and the model stays
+    close to dense; the CPU caches follow --kv-dtype."""
+    placement = {**placements(relu.hash)["split"], "dense_on_gpu": True}
+    path = packed(relu, "split-dense-on-gpu-half", placement)
+    model = load_packed(path, mode="oracle", gpu_device="cpu", gpu_dtype="bf16", kv_on_gpu=True).model
+    cache = model.new_cache(8)
+    assert all(k.dtype == torch.float16 for k in cache.k + cache.v)
+    ids = prompt_ids(relu.lm)
+    dense = relu.lm.model
+    torch.testing.assert_close(decode_logits(model, ids), decode_logits(dense, ids), atol=0.05, rtol=0.05)
+    cpu_kv = load_packed(path, mode="oracle", gpu_device="cpu", kv_dtype="fp16").model.new_cache(8)
+    assert all(k.dtype == torch.float16 for k in cpu_kv.k) and all(k is not None for k in cpu_kv.k_np)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("mode", ["oracle", "sparse", "offload"])
 def test_cuda_tier_in_its_default_half_dtype_runs_close_to_dense(relu, mode):

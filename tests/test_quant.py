@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from powerinfer.ops import block_ir, cpu, decode, lanes, panels, quant, reference
+from powerinfer.ops import block_ir, block_lanes, cpu, decode, lanes, panels, quant, reference
 from powerinfer.ops.activations import activation_id
 from powerinfer.ops.linear import Linear
 from powerinfer.ops.weights import LaneWeight, QuantWeight, weight_for
@@ -317,13 +317,15 @@ def test_ffn_over_quantized_rows_matches_reference(fmt, gated, tokens, subset):
     from powerinfer.ops.criterion import Criterion
     from powerinfer.ops.ffn_rows import FFNRows, FFNSpec
 
-    n, d = 40, 256
+    # 16 blocks of 32 per row: those formats' gate/up rows are re-laid (ops/block_lanes.py)
+    n, d = 40, 512 if fmt in block_lanes.FORMATS else 256
     w_gate, w_up = quantized(n, d, fmt, 1), quantized(n, d, fmt, 2) if gated else None
     down = torch.randn(n, 96, generator=torch.Generator().manual_seed(3)) / n**0.5
     wt_down = quant.quantize_q8_0(down)
     b_in = None if gated else torch.randn(n) * 0.1
     rows = FFNRows(w_gate, w_up, b_in, wt_down, numba_kernels=True)
     assert rows.quant and rows.numba and rows.out_features == 96
+    assert rows.blocked == (fmt in block_lanes.FORMATS)
     spec = FFNSpec("silu" if gated else "relu", None, gated, threshold=0.02)
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, d, generator=g)

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import cpu, decode, panels, quant, quant_sparse, quant_torch, sparse_cpu
+from . import block_lanes, cpu, decode, panels, quant, quant_sparse, quant_torch, sparse_cpu
 from .activations import activation_id, maybe_activation
 from .criterion import Criterion, apply as apply_criterion
 from .numba_half import numpy_weights
@@ -65,6 +65,12 @@ class FFNRows:
         self.quant = quant.is_quantized(w_gate)  # GGUF blocks; the down projection then Q8_0 (quant_sparse.py)
         self.numba = numba_kernels and self.device.type == "cpu" and (cpu.supports(w_gate) or self.quant)
         self._b_np = cpu.NO_BIAS if b_in is None or not self.numba else b_in.numpy()
+        # the numba kernels read quantized gate/up rows faster re-laid 16 blocks per vector
+        self.blocked = (self.quant and self.numba and block_lanes.fits(w_gate)
+                        and (w_up is None or (block_lanes.fits(w_up) and w_up.shape[2] == w_gate.shape[2])))
+        if self.blocked:
+            self.w_gate = w_gate = block_lanes.relay(w_gate)
+            self.w_up = w_up = None if w_up is None else block_lanes.relay(w_up)
         self._np: tuple | None = None
         if self.numba:
             view = (lambda t: t.numpy()) if self.quant else numpy_weights
@@ -156,7 +162,8 @@ def add_into(rows: FFNRows, spec: FFNSpec, x: np.ndarray, idx: np.ndarray, crite
     if rows.quant:
         h = np.empty((x.shape[0], idx.shape[0]), dtype=np.float32)
         quant_sparse.ffn_rows_q(wg, wg if wu is None else wu, wd, x, idx.astype(np.int64, copy=False), spec.gated,
-                                rows._b_np, spec.act_id, spec.up_act_id, c, spec.threshold32, chunks, h, out)
+                                rows._b_np, spec.act_id, spec.up_act_id, c, spec.threshold32, chunks, h, out,
+                                rows.blocked)
         return
     if spec.gated:
         h = np.empty((x.shape[0], idx.shape[0]), dtype=np.float32)
@@ -198,8 +205,9 @@ def _quant_batch(rows: FFNRows, spec: FFNSpec, x: torch.Tensor, idx: torch.Tenso
                  criterion: Criterion) -> torch.Tensor:
     """A batch over a CPU block's quantized rows (prefill): the block kernels over every row,
     neurons outside `idx` zeroed."""
-    g = quant.matmul(rows.w_gate, x, rows.b_in)
-    u = quant.matmul(rows.w_up, x) if spec.gated else None
+    mm = block_lanes.matmul if rows.blocked else quant.matmul
+    g = mm(rows.w_gate, x, rows.b_in)
+    u = mm(rows.w_up, x) if spec.gated else None
     h = _values(spec, g, u, criterion)
     if idx is not None:
         keep = torch.zeros(rows.n, dtype=torch.bool)

@@ -17,6 +17,7 @@ from numba import njit, prange
 
 from .cpu import _act, gated_value
 from .criterion import GATE
+from . import block_lanes
 from .block_ir import dot_row, dot_rows4, quantize_acts
 from .quant import _half, _s8
 from .sparse_cpu import _prefetch_l3
@@ -57,16 +58,22 @@ def _axpy4_q8_0(wt, r0, r1, r2, r3, c0, c1, c2, c3, acc):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def ffn_rows_q(w_in, w_up, wt_down, x, idx, gated, b_in, act_id, up_act_id, criterion, threshold, n_chunks, h, out):
+def ffn_rows_q(w_in, w_up, wt_down, x, idx, gated, b_in, act_id, up_act_id, criterion, threshold, n_chunks, h, out,
+               blocked=False):
     """out (T, d_out) += the FFN over neurons `idx` for x (T, d): w_in holds gate rows (or
     fc1 rows of a plain FFN, with bias b_in), w_up up rows (gated), wt_down the Q8_0 down
     projection transposed (n, d_out). h (T, k) gets the neuron values (0 when off by the
-    criterion, as the dense-weight kernels: GATE skips the up row)."""
+    criterion, as the dense-weight kernels: GATE skips the up row). `blocked`: w_in and w_up
+    are re-laid by `block_lanes` (one format for both)."""
     T, k = x.shape[0], idx.shape[0]
     d_out = out.shape[1]
     for t in range(T):
-        qa_in = quantize_acts(x[t], w_in.shape[2])
-        qa_up = qa_in if w_up.shape[2] == w_in.shape[2] else quantize_acts(x[t], w_up.shape[2])
+        if blocked:
+            qa_in = block_lanes.records(x[t], w_in.shape[2])
+            qa_up = qa_in
+        else:
+            qa_in = quantize_acts(x[t], w_in.shape[2])
+            qa_up = qa_in if w_up.shape[2] == w_in.shape[2] else quantize_acts(x[t], w_up.shape[2])
         for c in prange(n_chunks):
             lo, hi = c * k // n_chunks, (c + 1) * k // n_chunks
             first = lo
@@ -76,8 +83,12 @@ def ffn_rows_q(w_in, w_up, wt_down, x, idx, gated, b_in, act_id, up_act_id, crit
                     for nxt in range(first + 4, min(first + 8, hi)):
                         _prefetch_row(w_in, idx[nxt])
                         _prefetch_row(w_up, idx[nxt])
-                    g0, g1, g2, g3 = dot_rows4(w_in, r0, r1, r2, r3, qa_in)
-                    u0, u1, u2, u3 = dot_rows4(w_up, r0, r1, r2, r3, qa_up)
+                    if blocked:
+                        g0, g1, g2, g3 = block_lanes.dot_rows4(w_in, r0, r1, r2, r3, qa_in)
+                        u0, u1, u2, u3 = block_lanes.dot_rows4(w_up, r0, r1, r2, r3, qa_up)
+                    else:
+                        g0, g1, g2, g3 = dot_rows4(w_in, r0, r1, r2, r3, qa_in)
+                        u0, u1, u2, u3 = dot_rows4(w_up, r0, r1, r2, r3, qa_up)
                     h[t, first] = gated_value(_act(g0, act_id), u0, up_act_id, criterion, threshold)
                     h[t, first + 1] = gated_value(_act(g1, act_id), u1, up_act_id, criterion, threshold)
                     h[t, first + 2] = gated_value(_act(g2, act_id), u2, up_act_id, criterion, threshold)
@@ -85,7 +96,7 @@ def ffn_rows_q(w_in, w_up, wt_down, x, idx, gated, b_in, act_id, up_act_id, crit
                     first += 4
             for kk in range(first, hi):
                 r = idx[kk]
-                g = dot_row(w_in, r, qa_in)
+                g = block_lanes.dot_row(w_in, r, qa_in) if blocked else dot_row(w_in, r, qa_in)
                 if not gated:
                     if b_in.shape[0] > 0:
                         g += b_in[r]
@@ -96,7 +107,8 @@ def ffn_rows_q(w_in, w_up, wt_down, x, idx, gated, b_in, act_id, up_act_id, crit
                 if criterion == GATE and abs(a) <= threshold:
                     h[t, kk] = np.float32(0.0)
                     continue
-                h[t, kk] = gated_value(a, dot_row(w_up, r, qa_up), up_act_id, criterion, threshold)
+                u = block_lanes.dot_row(w_up, r, qa_up) if blocked else dot_row(w_up, r, qa_up)
+                h[t, kk] = gated_value(a, u, up_act_id, criterion, threshold)
         partial = np.zeros((n_chunks, d_out), dtype=np.float32)
         for c in prange(n_chunks):
             # the nonzero neurons of this chunk, four at a time

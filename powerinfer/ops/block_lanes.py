@@ -28,7 +28,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import quant
-from .block_ir import _F32, _FUSE, _I8, _I32, _c64, _call, _isa, _load, _reduce, _splat, quantize_acts
+from .block_ir import _F32, _FUSE, _I8, _I32, _c64, _call, _isa, _load, _reduce, quantize_acts
 from .lane_ir import LANES, _chunks, _half_lanes, _idot16
 from .lanes import deinterleave, interleave
 

@@ -39,6 +39,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from . import q6k_tiles
 from .block_ir import dot_row, dot_rows4, dot_tile, quantize_acts, quantize_acts_rows
 
 # format name -> (weights per block, bytes per block)
@@ -46,6 +47,9 @@ FORMATS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q5_0": (32, 22
            "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 BLOCK_BYTES = {bb: name for name, (_, bb) in FORMATS.items()}
 TILE_ROWS = 256  # rows widened at a time (the transposed matmul, widening)
+# tokens from which a Q6_K matmul unpacks 16 rows at a time for all of them (ops/q6k_tiles.py):
+# the unpacking pays from about 8-12 tokens (4096 x 4096: 54 vs 66 G MAC/s at 8, 75 vs 54 at 16)
+Q6K_TILE_TOKENS = 12
 # Byte offsets of each block's fp16 scales (d, and m/dmin where the format has one).
 SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2),
                  "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
@@ -258,7 +262,16 @@ def _dequantize_row_generic(w, r, out):
 
 def matmul(t: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (T, cols) @ W.T (+ bias) for quantized W: the block dots over four rows and four
-    tokens at a time (`_matmul_tiles`), each (row, token) dot the GEMV's own."""
+    tokens at a time (`_matmul_tiles`), each (row, token) dot the GEMV's own; Q6_K from
+    Q6K_TILE_TOKENS tokens on unpacked 16 rows at a time (`q6k_tiles`)."""
+    if int(t.shape[2]) == q6k_tiles.BB and x.shape[0] >= Q6K_TILE_TOKENS:
+        res = q6k_tiles.matmul(t, x)
+        return res if bias is None else res.add_(bias)
+    return _matmul_rows(t, x, bias)
+
+
+def _matmul_rows(t: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`matmul` on the row kernels alone (the GEMV for one token, 4 x 4 tiles otherwise)."""
     w = t.numpy()
     xs = np.ascontiguousarray(x.float().numpy())
     if xs.shape[0] == 1:  # the GEMV (four row streams) reads one vector's rows faster than tiles do

@@ -42,7 +42,7 @@ def test_quant_matmul_takes_tiles_for_a_prompt(monkeypatch):
 
 def test_integer_dots_of_every_cpu_kind_give_the_same_bits(monkeypatch):
     """AVX-512 VNNI, AVX2 only, neither: the same integers, the same float steps."""
-    from numba import njit, types
+    from numba import njit
 
     t = quantized(16, 512, "Q6_K", seed=4)
     w = t.numpy()

@@ -28,14 +28,16 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import quant
-from .block_ir import _F32, _FUSE, _I8, _I32, _c64, _call, _isa, _load, _reduce, quantize_acts
+from .block_ir import (_F32, _FUSE, _I8, _I32, _c64, _call, _check_blocks, _isa, _load, _reduce, _row_address as _row,
+                       quantize_acts)
 from .lane_ir import LANES, _chunks, _half_lanes, _idot16
 from .lanes import deinterleave, interleave
 
 FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 # one group's activation record: int8 chunks (8 x 64), int32 block sums[16], fp32 scales[16],
 # fp32 32-sums[16] (the offsets of Q4_1)
-RECORD = 8 * 64 + 3 * 4 * LANES
+_SUMS, _SCALES, _OFFSETS = 8 * 64, 8 * 64 + 4 * LANES, 8 * 64 + 8 * LANES  # byte offsets of the fields
+RECORD = 8 * 64 + 12 * LANES
 _VF16, _VI16, _VB64 = ir.VectorType(_F32, 16), ir.VectorType(_I32, 16), ir.VectorType(_I8, 64)
 
 
@@ -78,9 +80,9 @@ def _relay_records(qa, out):
         total = 0
         for k in range(8):
             total += qi32[src // 4 + 8 + k]
-        i32[dst // 4 + 128 + b] = total
-        f32[dst // 4 + 144 + b] = qf32[src // 4 + 16]
-        f32[dst // 4 + 160 + b] = qf32[src // 4 + 17]
+        i32[(dst + _SUMS) // 4 + b] = total
+        f32[(dst + _SCALES) // 4 + b] = qf32[src // 4 + 16]
+        f32[(dst + _OFFSETS) // 4 + b] = qf32[src // 4 + 17]
 
 
 @njit
@@ -123,17 +125,17 @@ def _bl_dots(bb: int, R: int, V: int):
                     chunks = _chunks(builder, gp, bb, isa)
                     for j, rec in enumerate(recs):
                         if bias:  # (q - bias) . a = q . a - bias * (the block's activation sum)
-                            isum = builder.mul(_load(builder, rec, 512, _VI16), ir.Constant(_VI16, [-bias] * LANES))
+                            isum = builder.mul(_load(builder, rec, _SUMS, _VI16), ir.Constant(_VI16, [-bias] * LANES))
                         else:
                             isum = ir.Constant(_VI16, [0] * LANES)
                         for q, off in chunks:
                             isum = _idot16(builder, isa, isum, q, _load(builder, rec, 16 * off, _VB64), signed)
-                        xa = builder.fmul(builder.sitofp(isum, _VF16), _load(builder, rec, 576, _VF16), flags=_FUSE)
+                        xa = builder.fmul(builder.sitofp(isum, _VF16), _load(builder, rec, _SCALES, _VF16), flags=_FUSE)
                         acc = accs[k * V + j]
                         total = _call(builder, "llvm.fmuladd.v16f32", _VF16, [xa, dw, builder.load(acc)])
                         if mw is not None:  # m x the block's activation sum
                             total = _call(builder, "llvm.fmuladd.v16f32", _VF16,
-                                          [mw, _load(builder, rec, 640, _VF16), total])
+                                          [mw, _load(builder, rec, _OFFSETS, _VF16), total])
                         builder.store(total, acc)
             outs = [_reduce(builder, builder.load(acc)) for acc in accs]
             return context.make_tuple(builder, signature.return_type, outs)
@@ -161,21 +163,10 @@ def _dispatch(R: int, V: int):
 _rows4, _one, _vecs8, _vecs4 = _dispatch(4, 1), _dispatch(1, 1), _dispatch(1, 8), _dispatch(1, 4)
 
 
-@njit(inline="always")
-def _row(w, r):
-    return w.ctypes.data + r * w.strides[0]
-
-
-@njit(inline="always")
-def _check(w):
-    if w.strides[2] != 1 or w.strides[1] != w.shape[2]:
-        raise ValueError("block-lane dots need contiguous rows")
-
-
 @njit(fastmath=True)
 def dot_rows4(w, r0, r1, r2, r3, rec):
     """Rows r0..r3 of re-laid w dotted with block-lane records rec (`records`)."""
-    _check(w)
+    _check_blocks(w)
     return _rows4(w.shape[2], (_row(w, r0), _row(w, r1), _row(w, r2), _row(w, r3)), w.shape[1] // LANES,
                   (rec.ctypes.data,))
 
@@ -183,7 +174,7 @@ def dot_rows4(w, r0, r1, r2, r3, rec):
 @njit(fastmath=True)
 def dot_row(w, r, rec):
     """Row r of re-laid w dotted with block-lane records rec."""
-    _check(w)
+    _check_blocks(w)
     return _one(w.shape[2], (_row(w, r),), w.shape[1] // LANES, (rec.ctypes.data,))[0]
 
 
@@ -196,33 +187,28 @@ def records_rows(V, bb):
     return out
 
 
-@njit(inline="always")
-def _rec(QA, s):
-    return QA.ctypes.data + s * QA.strides[0]
-
-
 @njit(parallel=True, fastmath=True, cache=True)
 def _matmul(w, QA, out):
     """out[s, r] = row r of re-laid w dotted with QA[s], eight vectors per pass over the row,
     then four, then one: each (row, vector) pair the same arithmetic as `dot_row`."""
-    _check(w)
+    _check_blocks(w)
     n, T, groups, bb = w.shape[0], QA.shape[0], w.shape[1] // LANES, w.shape[2]
     for r in prange(n):
         row = (_row(w, r),)
         s = 0
         while T - s >= 8:
-            d = _vecs8(bb, row, groups, (_rec(QA, s), _rec(QA, s + 1), _rec(QA, s + 2), _rec(QA, s + 3),
-                                         _rec(QA, s + 4), _rec(QA, s + 5), _rec(QA, s + 6), _rec(QA, s + 7)))
+            d = _vecs8(bb, row, groups, (_row(QA, s), _row(QA, s + 1), _row(QA, s + 2), _row(QA, s + 3),
+                                         _row(QA, s + 4), _row(QA, s + 5), _row(QA, s + 6), _row(QA, s + 7)))
             for j in range(8):
                 out[s + j, r] = d[j]
             s += 8
         if T - s >= 4:
-            d4 = _vecs4(bb, row, groups, (_rec(QA, s), _rec(QA, s + 1), _rec(QA, s + 2), _rec(QA, s + 3)))
+            d4 = _vecs4(bb, row, groups, (_row(QA, s), _row(QA, s + 1), _row(QA, s + 2), _row(QA, s + 3)))
             for j in range(4):
                 out[s + j, r] = d4[j]
             s += 4
         while s < T:
-            out[s, r] = _one(bb, row, groups, (_rec(QA, s),))[0]
+            out[s, r] = _one(bb, row, groups, (_row(QA, s),))[0]
             s += 1
 
 

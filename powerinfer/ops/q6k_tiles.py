@@ -27,7 +27,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .block_ir import _F32, _FUSE, _I8, _I32, _c64, _call, _isa, _load, _splat, quantize_acts_rows
+from .block_ir import _F32, _FUSE, _I8, _I32, _c64, _call, _isa, _load, _row_address as _row, _splat, quantize_acts_rows
 from .lane_ir import LANES, _idot16
 from .numba_half import widen
 
@@ -141,11 +141,6 @@ def _tile_dots(V: int):
 
 
 _dots8, _dots4, _dots1 = _tile_dots(8), _tile_dots(4), _tile_dots(1)
-
-
-@njit(inline="always")
-def _row(A, s):
-    return A.ctypes.data + s * A.strides[0]
 
 
 @njit(parallel=True, fastmath=True, cache=True)

@@ -586,7 +586,9 @@ def test_cli_pack_generate_stats_and_prepare_cache(relu, tmp_path, monkeypatch):
     assert r.returncode == 0 and "engine: dense" in r.stdout
 
 
-@pytest.mark.parametrize("rank,n_ff", [(8, 96), (64, 4096)])  # the serial small path and the parallel one
+# the serial small path, the parallel one, and the parallel one with a rank padded to 48 and
+# a last chunk of neurons cut short
+@pytest.mark.parametrize("rank,n_ff", [(8, 96), (64, 4096), (37, 5000)])
 def test_predictor_active_set_equals_torch(rank, n_ff):
     from powerinfer.engine.predictor import SMALL_PREDICTOR, Predictor
 

@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from ..ops import sparse_cpu, torch_ops
-from ..ops.activations import activation_id
 
 _ALL = np.zeros(0, dtype=np.int64)  # "all rows" to row_gemv
 SMALL_PREDICTOR = 1 << 17  # parameters up to which one serial call beats the parallel kernels
@@ -31,12 +30,14 @@ class Predictor:
         self.observe: Callable[[np.ndarray], None] | None = None
         self._thr_dev = torch.tensor(self.threshold, device=self.device)
         if self.device.type == "cpu":
-            self._np = (self.w1.numpy(), self.b1.numpy(), self.w2.numpy(), self.b2.numpy())
-            self._hidden = np.empty((1, self.w1.shape[0]), dtype=np.float32)
+            # W2 transposed, (rank, n): the logits as AXPYs over neurons that vectorise; the rank
+            # padded with zero rows; in panels (sparse_cpu.predictor_panels) for the parallel kernel
+            w1p, b1p, w2t = sparse_cpu.pad_rank(self.w1.numpy(), self.b1.numpy(), self.w2.t().contiguous().numpy())
+            self._np = (w1p, b1p, self.b2.numpy())
+            self._hidden = np.empty((1, w1p.shape[0]), dtype=np.float32)
             self._logits = np.empty((1, self.w2.shape[0]), dtype=np.float32)
-            self._thr = np.array([self.threshold], dtype=np.float32)
             self._small = self.w1.numel() + self.w2.numel() <= SMALL_PREDICTOR
-            self._w2t = self.w2.t().contiguous().numpy() if self._small else None  # (rank, n) for the serial path
+            self._w2 = w2t if self._small else sparse_cpu.predictor_panels(w2t)
 
     def _device_logits(self, x: torch.Tensor) -> torch.Tensor:
         return torch_ops.predictor_logits(self.w1, self.b1, self.w2, self.b2, x.to(self.device))
@@ -62,14 +63,9 @@ class Predictor:
 
     def active_np(self, x: np.ndarray) -> np.ndarray:
         """`active` for a CPU predictor and one fp32 token (d,) as numpy, without torch."""
-        w1, b1, w2, b2 = self._np
-        if self._small:
-            idx = sparse_cpu.predict_active_small(w1, b1, self._w2t, b2, x, np.float32(self.threshold),
-                                                  self._hidden[0], self._logits[0], _ALL)
-        else:
-            sparse_cpu.row_gemv(w1, x[None], _ALL, b1, activation_id("relu"), self._hidden)
-            sparse_cpu.row_gemv(w2, self._hidden, _ALL, b2, -1, self._logits)
-            idx = sparse_cpu.threshold_to_index(self._logits, self._thr, _ALL)
+        w1, b1, b2 = self._np
+        kernel = sparse_cpu.predict_active_small if self._small else sparse_cpu.predict_active
+        idx = kernel(w1, b1, self._w2, b2, x, np.float32(self.threshold), self._hidden[0], self._logits[0], _ALL)
         if self.observe is not None:
             self.observe(self._logits.copy())
         return idx

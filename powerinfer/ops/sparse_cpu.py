@@ -493,35 +493,100 @@ def default_chunks() -> int:
     return numba.get_num_threads()
 
 
+PREDICT_CHUNK = 1024  # neurons per work item of `predict_active`
+
+
+@njit(inline="always", fastmath=True)
+def _predict_hidden(w1, b1, x, hidden, i):
+    acc = b1[i]
+    for j in range(w1.shape[1]):
+        acc += w1[i, j] * x[j]
+    hidden[i] = acc if acc > 0 else np.float32(0.0)
+
+
+RANK_STEP = 16  # predictor ranks are padded (zero rows) to a multiple of this (`pad_rank`)
+
+
+def pad_rank(w1: np.ndarray, b1: np.ndarray, w2t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """w1 (r, d), b1 (r,), w2t (r, n) with zero rows up to a multiple of RANK_STEP, as the
+    predictor kernels take them: a zero row adds relu(0) * 0 = 0 to every logit."""
+    r = w1.shape[0]
+    pad = -r % RANK_STEP
+    if pad == 0:
+        return w1, b1, w2t
+    z = lambda a: np.concatenate([a, np.zeros((pad,) + a.shape[1:], dtype=a.dtype)])
+    return z(w1), z(b1), z(w2t)
+
+
+def predictor_panels(w2t: np.ndarray) -> np.ndarray:
+    """w2t (r, n) as (chunks, r, PREDICT_CHUNK) panels, zero-padded: each of
+    `predict_active`'s work items then reads one sequential stream from memory, not r short
+    ones (7B shape from memory: ~85 -> ~45 us per layer)."""
+    r, n = w2t.shape
+    chunks = (n + PREDICT_CHUNK - 1) // PREDICT_CHUNK
+    out = np.zeros((chunks, r, PREDICT_CHUNK), dtype=np.float32)
+    for c in range(chunks):
+        part = w2t[:, c * PREDICT_CHUNK:(c + 1) * PREDICT_CHUNK]
+        out[c, :, :part.shape[1]] = part
+    return out
+
+
+@njit(inline="always", fastmath=True)
+def _predict_chunk(w2t, b2, hidden, threshold, logits, slots, lo, hi):
+    """logits[lo:hi] = b2[lo:hi] + hidden . w2t[:, :hi - lo] (rank a multiple of RANK_STEP;
+    w2t the chunk's columns), and the neurons above `threshold` written from slots[lo] on;
+    returns their count. Each logit sums RANK_STEP terms in a register per pass, the
+    constant inner loop unrolled so that the loop over neurons vectorises (a loop over the
+    whole rank did not: 55 -> 11 us for 11008 neurons at rank 16), and the set is compacted
+    without a branch (a mispredicted branch per neuron cost more than the arithmetic).
+    Unsigned indices: numba's wraparound of negative ones, for an index it cannot prove
+    >= 0, kept the loop from vectorising (75 -> 11 us)."""
+    lo, hi = np.uint64(lo), np.uint64(hi)
+    for j0 in range(0, hidden.shape[0], RANK_STEP):
+        for i in range(np.uint64(0), hi - lo):
+            acc = b2[lo + i] if j0 == 0 else logits[lo + i]
+            for j in range(RANK_STEP):
+                acc += hidden[j0 + j] * w2t[j0 + j, i]
+            logits[lo + i] = acc
+    m = lo
+    for i in range(lo, hi):
+        slots[m] = i
+        m += np.uint64(logits[i] > threshold)
+    return np.int64(m - lo)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def predict_active(w1, b1, w2p, b2, x, threshold, hidden, logits, out_dtype_probe):
+    """`predict_active_small` in two parallel passes, W2 in `predictor_panels`: the hidden
+    rows, then chunks of neurons, each compacted into its own slots, joined in one serial
+    copy at the end (7B shape, rank 16: 88 us per layer as two GEMVs and a threshold pass
+    before)."""
+    for i in prange(w1.shape[0]):
+        _predict_hidden(w1, b1, x, hidden, i)
+    n = b2.shape[0]
+    n_chunks = w2p.shape[0]
+    counts = np.empty(n_chunks, dtype=np.int64)
+    slots = np.empty(n, dtype=out_dtype_probe.dtype)
+    for c in prange(n_chunks):
+        lo = c * PREDICT_CHUNK
+        counts[c] = _predict_chunk(w2p[c], b2, hidden, threshold, logits, slots, lo, min(lo + PREDICT_CHUNK, n))
+    out = np.empty(counts.sum(), dtype=out_dtype_probe.dtype)
+    p = 0
+    for c in range(n_chunks):
+        lo = c * PREDICT_CHUNK
+        out[p:p + counts[c]] = slots[lo:lo + counts[c]]
+        p += counts[c]
+    return out
+
+
 @njit(fastmath=True, cache=True)
 def predict_active_small(w1, b1, w2t, b2, x, threshold, hidden, logits, out_dtype_probe):
     """Sorted indices with W2 relu(W1 x + b1) + b2 > threshold, for one token, in one serial
     call: for small predictors the parallel launches and allocations of the general path
     cost more than the arithmetic (SmolLM2: ~17k multiply-adds per layer). `w2t` is W2
-    transposed, (rank, n): the logits are then `rank` AXPYs over n that vectorise, where
-    n dot products of length rank (8) do not (measured 20 -> 6 us per SmolLM2 layer)."""
-    r, d = w1.shape
-    for i in range(r):
-        acc = b1[i]
-        for j in range(d):
-            acc += w1[i, j] * x[j]
-        hidden[i] = acc if acc > 0 else np.float32(0.0)
-    n = w2t.shape[1]
-    for i in range(n):
-        logits[i] = b2[i]
-    for j in range(r):
-        hj = hidden[j]
-        if hj != 0.0:
-            for i in range(n):
-                logits[i] += hj * w2t[j, i]
-    count = 0
-    for i in range(n):
-        if logits[i] > threshold:
-            count += 1
-    out = np.empty(count, dtype=out_dtype_probe.dtype)
-    p = 0
-    for i in range(n):
-        if logits[i] > threshold:
-            out[p] = i
-            p += 1
-    return out
+    transposed, (rank, n), so that the logits vectorise across neurons, where n dot
+    products of length rank (8) do not; the rank padded by `pad_rank`."""
+    for i in range(w1.shape[0]):
+        _predict_hidden(w1, b1, x, hidden, i)
+    slots = np.empty(w2t.shape[1], dtype=out_dtype_probe.dtype)
+    return slots[:_predict_chunk(w2t, b2, hidden, threshold, logits, slots, 0, w2t.shape[1])].copy()

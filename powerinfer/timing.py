@@ -120,6 +120,7 @@ def memory_read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7, statistic: s
 def decode_round(model, ids: list[int], n: int) -> tuple[float, float]:
     """(prefill tok/s, decode tok/s) of our engine: prefill `ids`, then `n` greedy steps."""
     from .engine.generate import prefill
+    from .engine.sample import greedy
 
     cache = model.new_cache(len(ids) + n + 1)
     t0 = time.perf_counter()
@@ -127,7 +128,7 @@ def decode_round(model, ids: list[int], n: int) -> tuple[float, float]:
     t1 = time.perf_counter()
     step = torch.empty(1, dtype=torch.long)
     for _ in range(n):
-        step[0] = int(logits.argmax())
+        step[0] = greedy(logits)  # as generation picks greedily (numpy: see engine/sample.py)
         logits = model.forward(step, cache)
     t2 = time.perf_counter()
     return len(ids) / (t1 - t0), n / (t2 - t1)

@@ -55,3 +55,27 @@ def test_sampled_tokens_stay_in_the_filtered_set():
     allowed = set(torch.topk(logits, 5).indices.tolist())
     sampler = Sampler(SamplingParams(temperature=2.0, top_k=5, top_p=1.0, seed=0))
     assert {sampler(logits) for _ in range(200)} <= allowed
+
+
+def test_nucleus_on_a_large_vocabulary_matches_transformers():
+    """Peaky and flat 50k-token distributions: the partial sort (a cut-off lowered until the
+    nucleus ends inside it) keeps what sorting every token keeps."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(3)
+    for scale in (12.0, 3.0, 0.3):  # a few tokens, hundreds, most of the vocabulary
+        logits = torch.randn(50_000, generator=g) * scale
+        for p in (0.5, 0.95):
+            expected = torch.softmax(TopPLogitsWarper(p)(None, logits[None].clone())[0], -1)
+            got = filtered_probs(logits, 0, p, 0.0)
+            assert torch.equal(got > 0, expected > 0), (scale, p)
+            torch.testing.assert_close(got, expected / expected.sum())
+
+
+def test_draws_follow_the_probabilities():
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05])
+    sampler = Sampler(SamplingParams(temperature=1.0, top_p=1.0, seed=1))
+    n = 20_000
+    counts = torch.bincount(torch.tensor([sampler(probs.log()) for _ in range(n)]), minlength=5).float() / n
+    assert counts[1] == 0
+    torch.testing.assert_close(counts, probs, atol=0.015, rtol=0)

@@ -33,7 +33,7 @@ from ..models.batch import decode_step, release
 from ..models.cache import KVCache
 from ..tokenizer import Tokenizer
 from .generate import GenerationResponse, TextStream, check_context
-from .sample import Sampler, SamplingParams
+from .sample import Sampler, SamplingParams, all_finite, finite_rows
 
 PREFILL_CHUNK = 128  # prompt tokens per step: bounds how long one prompt stalls the others' decode
 
@@ -160,7 +160,7 @@ class BatchEngine:
             logits = decode_step(self.model, [s.pending for s in ready], [s.cache for s in ready])
             self.steps += 1
             self.batch_tokens += len(ready)
-            finite = torch.isfinite(logits).all(dim=1).tolist()  # one check for the batch
+            finite = finite_rows(logits)  # one check for the batch
             for seq, row, ok in zip(ready, logits, finite):
                 self._sample(seq, row, ok)
         if not self._active:
@@ -182,7 +182,7 @@ class BatchEngine:
         logits = self.model.forward(torch.tensor(chunk, dtype=torch.long), seq.cache)
         seq.prefilled += len(chunk)
         if seq.prefilled == len(seq.prompt):
-            self._sample(seq, logits, bool(torch.isfinite(logits).all()))
+            self._sample(seq, logits, all_finite(logits))
         return len(chunk)
 
     def _sample(self, seq: Sequence, logits: torch.Tensor, finite: bool) -> None:

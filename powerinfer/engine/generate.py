@@ -17,7 +17,7 @@ from ..models.base import Model
 from ..tokenizer import Tokenizer
 from ..models.cache import KVCache
 from .detokenize import StopMatcher, StreamingDetokenizer
-from .sample import Sampler, SamplingParams
+from .sample import Sampler, SamplingParams, all_finite
 
 PREFILL_CHUNK = 512  # bounds prefill activation memory for long prompts
 
@@ -58,7 +58,7 @@ def generate_step(model: Model, prompt: list[int], sampler: Callable[[torch.Tens
     logits = prefill(model, seen[:n_seen].clone(), cache)
     step_input = torch.empty(1, dtype=torch.long)
     for i in range(max_tokens):
-        if not torch.isfinite(logits).all():  # a NaN would otherwise crash or sample garbage
+        if not all_finite(logits):  # a NaN would otherwise crash or sample garbage
             raise NonFiniteError(f"the model's output became NaN or Inf at token {i} of the generation "
                                  "(corrupt weights, or activations overflowing the weights' dtype)")
         token = sampler(logits, seen[:n_seen])

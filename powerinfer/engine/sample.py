@@ -5,12 +5,32 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import BadArgumentError
 
 
 MAX_TEMPERATURE = 2.0  # OpenAI's limit; beyond it sampling is noise
+
+
+# The per-token checks below run in numpy: torch's elementwise ops on a vocabulary's logits
+# (~50k values) go to torch's own OpenMP pool, whose threads wake beside numba's still
+# spinning ones after every decode kernel; measured 65-80 us per isfinite().all() and
+# 50-65 us per argmax there, against 7-9 us in numpy (docs/BENCHMARKS.md, "Serving").
+def finite_rows(logits: torch.Tensor) -> list[bool]:
+    """For logits (B, vocab) on the CPU: whether each row is free of NaN and Inf."""
+    return np.isfinite(logits.float().numpy()).all(axis=-1).tolist()
+
+
+def all_finite(logits: torch.Tensor) -> bool:
+    """Whether CPU logits hold no NaN or Inf."""
+    return bool(np.isfinite(logits.float().numpy()).all())
+
+
+def greedy(logits: torch.Tensor) -> int:
+    """The first index of the largest logit (torch.argmax's choice), for finite CPU logits."""
+    return int(np.argmax(logits.float().numpy()))
 
 
 @dataclass
@@ -58,9 +78,9 @@ class Sampler:
         if p.repetition_penalty != 1.0 and seen is not None and seen.numel():
             logits = apply_repetition_penalty(logits, seen, p.repetition_penalty)
         if p.temperature == 0:
-            return int(torch.argmax(logits))
-        probs = filtered_probs(logits / p.temperature, p.top_k, p.top_p, p.min_p)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            return greedy(logits)
+        tokens, probs = _filtered(logits.numpy() / np.float32(p.temperature), p.top_k, p.top_p, p.min_p)
+        return _draw(tokens, probs, self.generator)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -74,15 +94,53 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 
 def filtered_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """Softmax of `logits` restricted by top-k, then top-p (nucleus), then min-p."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # drop a token when the tokens before it already reach top_p (the first always stays)
-        drop_sorted = (torch.cumsum(sorted_probs, 0) - sorted_probs) >= top_p
-        probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), 0.0)
+    tokens, probs = _filtered(logits.float().numpy(), top_k, top_p, min_p)
+    out = torch.zeros(logits.shape[-1], dtype=torch.float32)
+    out[torch.from_numpy(tokens)] = torch.from_numpy(probs)
+    return out
+
+
+# Sampling runs in numpy on the tokens that can still be drawn: torch.sort of a 49k
+# vocabulary took 3.5 ms and torch.multinomial 1 ms per token on the CPU, more than a
+# SmolLM2 decode step (docs/BENCHMARKS.md, "Serving").
+def _filtered(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, their probabilities summing to 1) left by top-k, top-p and min-p after a
+    softmax of logits z."""
+    z = np.asarray(z, dtype=np.float32)
+    V = z.shape[-1]
+    if top_k and top_k < V:
+        kth = np.partition(z, V - top_k)[V - top_k]
+        z = np.where(z < kth, np.float32(-np.inf), z)
+    e = np.exp(z - z.max())
+    probs = e / e.sum()
+    tokens = _nucleus(probs, top_p) if top_p < 1.0 else np.flatnonzero(probs)
+    kept = probs[tokens]
     if min_p > 0.0:
-        probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
-    return probs / probs.sum()
+        big = kept >= np.float32(min_p) * probs.max()
+        tokens, kept = tokens[big], kept[big]
+    return tokens, kept / kept.sum()
+
+
+def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Indices of the smallest set of most probable tokens whose mass reaches top_p: in
+    descending order, a token stays while the tokens before it hold less than top_p (the
+    first always stays). Only the tokens above a cut-off are sorted (a prefix of that
+    order), the cut-off lowered until the set ends inside them."""
+    cut = float(probs.max()) * 1e-3
+    while True:
+        cand = np.flatnonzero(probs > cut) if cut > 0.0 else np.arange(probs.shape[0])
+        order = cand[np.argsort(-probs[cand], kind="stable")]
+        sorted_probs = probs[order]
+        keep = (np.cumsum(sorted_probs) - sorted_probs) < top_p
+        if cut == 0.0 or not keep[-1]:  # the set ends before the last candidate
+            return order[keep]
+        cut = cut * 1e-3 if cut > 1e-30 else 0.0
+
+
+def _draw(tokens: np.ndarray, probs: np.ndarray, generator: torch.Generator) -> int:
+    """A token drawn from `tokens` with `probs` (sums to 1) with the seeded generator, by
+    inverse CDF."""
+    cdf = np.cumsum(probs, dtype=np.float64)
+    u = torch.rand(1, generator=generator, dtype=torch.float64).item()
+    j = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return int(tokens[min(j, tokens.shape[0] - 1)])

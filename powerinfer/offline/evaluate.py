@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from ..data import load_prompts
 from ..errors import BadArgumentError
+from ..engine.sample import greedy
 from ..loader import LoadedModel
 from .profile import instrumented, perplexity, tokenize
 from .stats import Profile
@@ -47,7 +48,7 @@ def greedy_agreement(lm: LoadedModel, prompts: list[torch.Tensor], gen_tokens: i
         logits = model.forward(ids, cache)
         dense = []
         for _ in range(gen_tokens):
-            tok = int(logits.argmax())
+            tok = greedy(logits)
             dense.append(tok)
             logits = model.forward(torch.tensor([tok]), cache)
         seq = torch.cat([ids, torch.tensor(dense)])

@@ -18,19 +18,24 @@ MAX_TEMPERATURE = 2.0  # OpenAI's limit; beyond it sampling is noise
 # (~50k values) go to torch's own OpenMP pool, whose threads wake beside numba's still
 # spinning ones after every decode kernel; measured 65-80 us per isfinite().all() and
 # 50-65 us per argmax there, against 7-9 us in numpy (docs/BENCHMARKS.md, "Serving").
+def _host(logits: torch.Tensor) -> np.ndarray:
+    """fp32 logits as a numpy array (copied from a GPU tensor; a view of a CPU one)."""
+    return logits.detach().float().cpu().numpy()
+
+
 def finite_rows(logits: torch.Tensor) -> list[bool]:
-    """For logits (B, vocab) on the CPU: whether each row is free of NaN and Inf."""
-    return np.isfinite(logits.float().numpy()).all(axis=-1).tolist()
+    """For logits (B, vocab): whether each row is free of NaN and Inf."""
+    return np.isfinite(_host(logits)).all(axis=-1).tolist()
 
 
 def all_finite(logits: torch.Tensor) -> bool:
-    """Whether CPU logits hold no NaN or Inf."""
-    return bool(np.isfinite(logits.float().numpy()).all())
+    """Whether the logits hold no NaN or Inf."""
+    return bool(np.isfinite(_host(logits)).all())
 
 
 def greedy(logits: torch.Tensor) -> int:
-    """The first index of the largest logit (torch.argmax's choice), for finite CPU logits."""
-    return int(np.argmax(logits.float().numpy()))
+    """The first index of the largest logit (torch.argmax's choice), for finite logits."""
+    return int(np.argmax(_host(logits)))
 
 
 @dataclass
@@ -79,7 +84,7 @@ class Sampler:
             logits = apply_repetition_penalty(logits, seen, p.repetition_penalty)
         if p.temperature == 0:
             return greedy(logits)
-        tokens, probs = _filtered(logits.numpy() / np.float32(p.temperature), p.top_k, p.top_p, p.min_p)
+        tokens, probs = _filtered(_host(logits) / np.float32(p.temperature), p.top_k, p.top_p, p.min_p)
         return _draw(tokens, probs, self.generator)
 
 
@@ -94,7 +99,7 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 
 def filtered_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """Softmax of `logits` restricted by top-k, then top-p (nucleus), then min-p."""
-    tokens, probs = _filtered(logits.float().numpy(), top_k, top_p, min_p)
+    tokens, probs = _filtered(_host(logits), top_k, top_p, min_p)
     out = torch.zeros(logits.shape[-1], dtype=torch.float32)
     out[torch.from_numpy(tokens)] = torch.from_numpy(probs)
     return out

@@ -14,7 +14,7 @@ import torch
 
 from ..ops import sparse_cpu, torch_ops
 
-_ALL = np.zeros(0, dtype=np.int64)  # "all rows" to row_gemv
+_INDEX_PROBE = np.zeros(0, dtype=np.int64)  # the predictor kernels return indices of this dtype
 SMALL_PREDICTOR = 1 << 17  # parameters up to which one serial call beats the parallel kernels
 
 
@@ -31,13 +31,13 @@ class Predictor:
         self._thr_dev = torch.tensor(self.threshold, device=self.device)
         if self.device.type == "cpu":
             # W2 transposed, (rank, n): the logits as AXPYs over neurons that vectorise; the rank
-            # padded with zero rows; in panels (sparse_cpu.predictor_panels) for the parallel kernel
-            w1p, b1p, w2t = sparse_cpu.pad_rank(self.w1.numpy(), self.b1.numpy(), self.w2.t().contiguous().numpy())
+            # padded with zero rows
+            w1p, b1p, self._w2t = sparse_cpu.pad_rank(self.w1.numpy(), self.b1.numpy(),
+                                                      self.w2.t().contiguous().numpy())
             self._np = (w1p, b1p, self.b2.numpy())
             self._hidden = np.empty((1, w1p.shape[0]), dtype=np.float32)
             self._logits = np.empty((1, self.w2.shape[0]), dtype=np.float32)
             self._small = self.w1.numel() + self.w2.numel() <= SMALL_PREDICTOR
-            self._w2 = w2t if self._small else sparse_cpu.predictor_panels(w2t)
 
     def _device_logits(self, x: torch.Tensor) -> torch.Tensor:
         return torch_ops.predictor_logits(self.w1, self.b1, self.w2, self.b2, x.to(self.device))
@@ -65,7 +65,7 @@ class Predictor:
         """`active` for a CPU predictor and one fp32 token (d,) as numpy, without torch."""
         w1, b1, b2 = self._np
         kernel = sparse_cpu.predict_active_small if self._small else sparse_cpu.predict_active
-        idx = kernel(w1, b1, self._w2, b2, x, np.float32(self.threshold), self._hidden[0], self._logits[0], _ALL)
+        idx = kernel(w1, b1, self._w2t, b2, x, np.float32(self.threshold), self._hidden[0], self._logits[0], _INDEX_PROBE)
         if self.observe is not None:
             self.observe(self._logits.copy())
         return idx

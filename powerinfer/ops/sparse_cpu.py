@@ -518,23 +518,10 @@ def pad_rank(w1: np.ndarray, b1: np.ndarray, w2t: np.ndarray) -> tuple[np.ndarra
     return z(w1), z(b1), z(w2t)
 
 
-def predictor_panels(w2t: np.ndarray) -> np.ndarray:
-    """w2t (r, n) as (chunks, r, PREDICT_CHUNK) panels, zero-padded: each of
-    `predict_active`'s work items then reads one sequential stream from memory, not r short
-    ones (7B shape from memory: ~85 -> ~45 us per layer)."""
-    r, n = w2t.shape
-    chunks = (n + PREDICT_CHUNK - 1) // PREDICT_CHUNK
-    out = np.zeros((chunks, r, PREDICT_CHUNK), dtype=np.float32)
-    for c in range(chunks):
-        part = w2t[:, c * PREDICT_CHUNK:(c + 1) * PREDICT_CHUNK]
-        out[c, :, :part.shape[1]] = part
-    return out
-
-
 @njit(inline="always", fastmath=True)
 def _predict_chunk(w2t, b2, hidden, threshold, logits, slots, lo, hi):
-    """logits[lo:hi] = b2[lo:hi] + hidden . w2t[:, :hi - lo] (rank a multiple of RANK_STEP;
-    w2t the chunk's columns), and the neurons above `threshold` written from slots[lo] on;
+    """logits[lo:hi] = b2[lo:hi] + hidden . w2t[:, lo:hi] (W2 transposed, (rank, n), the rank
+    a multiple of RANK_STEP), and the neurons above `threshold` written from slots[lo] on;
     returns their count. Each logit sums RANK_STEP terms in a register per pass, the
     constant inner loop unrolled so that the loop over neurons vectorises (a loop over the
     whole rank did not: 55 -> 11 us for 11008 neurons at rank 16), and the set is compacted
@@ -543,11 +530,11 @@ def _predict_chunk(w2t, b2, hidden, threshold, logits, slots, lo, hi):
     >= 0, kept the loop from vectorising (75 -> 11 us)."""
     lo, hi = np.uint64(lo), np.uint64(hi)
     for j0 in range(0, hidden.shape[0], RANK_STEP):
-        for i in range(np.uint64(0), hi - lo):
-            acc = b2[lo + i] if j0 == 0 else logits[lo + i]
+        for i in range(lo, hi):
+            acc = b2[i] if j0 == 0 else logits[i]
             for j in range(RANK_STEP):
                 acc += hidden[j0 + j] * w2t[j0 + j, i]
-            logits[lo + i] = acc
+            logits[i] = acc
     m = lo
     for i in range(lo, hi):
         slots[m] = i
@@ -556,20 +543,19 @@ def _predict_chunk(w2t, b2, hidden, threshold, logits, slots, lo, hi):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def predict_active(w1, b1, w2p, b2, x, threshold, hidden, logits, out_dtype_probe):
-    """`predict_active_small` in two parallel passes, W2 in `predictor_panels`: the hidden
-    rows, then chunks of neurons, each compacted into its own slots, joined in one serial
-    copy at the end (7B shape, rank 16: 88 us per layer as two GEMVs and a threshold pass
-    before)."""
+def predict_active(w1, b1, w2t, b2, x, threshold, hidden, logits, out_dtype_probe):
+    """`predict_active_small` in two parallel passes: the hidden rows, then chunks of
+    neurons, each compacted into its own slots, joined in one serial copy at the end (7B
+    shape, rank 16: 88 us per layer as two GEMVs and a threshold pass before)."""
     for i in prange(w1.shape[0]):
         _predict_hidden(w1, b1, x, hidden, i)
     n = b2.shape[0]
-    n_chunks = w2p.shape[0]
+    n_chunks = (n + PREDICT_CHUNK - 1) // PREDICT_CHUNK
     counts = np.empty(n_chunks, dtype=np.int64)
     slots = np.empty(n, dtype=out_dtype_probe.dtype)
     for c in prange(n_chunks):
         lo = c * PREDICT_CHUNK
-        counts[c] = _predict_chunk(w2p[c], b2, hidden, threshold, logits, slots, lo, min(lo + PREDICT_CHUNK, n))
+        counts[c] = _predict_chunk(w2t, b2, hidden, threshold, logits, slots, lo, min(lo + PREDICT_CHUNK, n))
     out = np.empty(counts.sum(), dtype=out_dtype_probe.dtype)
     p = 0
     for c in range(n_chunks):

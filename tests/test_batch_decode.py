@@ -147,6 +147,38 @@ def test_default_model_decodes_in_a_batch_as_alone(smollm2_path, dtype):
     check_batch_equals_solo(lm.model, lm.args.vocab_size)
 
 
+@pytest.mark.parametrize("source", ["tiny_llama", "smollm2_native"])
+def test_a_short_prompt_prefills_as_its_tokens_decoded_one_by_one(tmp_path, smollm2_path, source):
+    """A prompt of a few tokens runs through the batched decode kernels as rows sharing one
+    cache (models/batch.py, `prefill_short`): causal, the cache and the last token's logits
+    equal decoding the tokens one at a time exactly (every row's logits, which the LM head
+    computes as one matmul, to rounding); from position 0 and after earlier tokens."""
+    from powerinfer.models import batch
+
+    path = str(build_tiny("llama", tmp_path)) if source == "tiny_llama" else smollm2_path
+    model = powerinfer.load(path, dtype="native").model
+    ids = torch.arange(3, 3 + 2 * batch.SHORT_PREFILL_MAX) % model.args.vocab_size
+
+    def cache_after(start: int):
+        c = model.new_cache(64)
+        if start:
+            model.forward(ids[:start], c)
+        return c
+
+    for start, T in ((0, 11), (5, batch.SHORT_PREFILL_MAX)):
+        assert batch.short_prefill_fits(model, T, model.new_cache(64))
+        short, one_by_one = cache_after(start), cache_after(start)
+        last = model.forward(ids[start:start + T], short)
+        want = torch.stack([model.forward(ids[t:t + 1], one_by_one) for t in range(start, start + T)])
+        assert short.length == one_by_one.length == start + T
+        assert all(np.array_equal(a, b) for a, b in zip(short.k_np + short.v_np, one_by_one.k_np + one_by_one.v_np))
+        assert torch.equal(last, want[-1]), (last - want[-1]).abs().max()
+        every = model.forward(ids[start:start + T], cache_after(start), all_logits=True)
+        torch.testing.assert_close(every, want, rtol=1e-5, atol=2e-5)
+    assert not batch.short_prefill_fits(model, batch.SHORT_PREFILL_MAX + 1, model.new_cache(64))
+    assert not batch.short_prefill_fits(model, 1, model.new_cache(64))
+
+
 def test_decode_step_refuses_shared_or_full_caches(smollm2_path):
     model = powerinfer.load(smollm2_path).model
     c = model.new_cache(4)

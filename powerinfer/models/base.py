@@ -331,6 +331,7 @@ class Model:
         self._rope_cs: dict[bool, tuple[np.ndarray, np.ndarray]] = {}
         self._decode_bufs = threading.local()  # per thread: the FFN input at fused decode
         self.stack_decode = True  # one kernel call per decode token where the layers allow it
+        self.short_prefill = True  # a short prompt through the batched decode kernels (models/batch.py)
         self.kv_dtype = torch.float32  # of KV caches in CPU memory: fp32 or fp16 (`--kv-dtype`)
         self._stack: LayerStack | None = None
         self._stack_ffns: list[Any] | None = None
@@ -552,6 +553,8 @@ class Model:
         stack = self._layer_stack() if T == 1 and cache.k_all_np is not None else None
         if stack is not None:
             stack.run(self, x[0].numpy(), cache, start)
+        elif T > 1 and self.short_prefill and _batch().short_prefill_fits(self, T, cache):
+            x = _batch().prefill_short(self, x, cache, start)
         else:
             for i, layer in enumerate(self.layers):
                 x = self.block(i, layer, x, cache, start)
@@ -598,6 +601,13 @@ class Model:
                     out += [norm.weight, norm.bias]
             out += layer.ffn.tensors()
         return [t for t in out if t is not None]
+
+
+def _batch():
+    """models/batch.py, which imports this module (so not imported at the top)."""
+    from . import batch
+
+    return batch
 
 
 def _rotate(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:

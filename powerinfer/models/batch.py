@@ -43,7 +43,7 @@ def decode_step(model: Model, tokens: list[int], caches: list[KVCache]) -> torch
     x = torch.cat([model.embed_tokens(ids[b:b + 1], pos[b]) for b in range(B)]).contiguous()
     for i, layer in enumerate(model.layers):
         if layer.fused_decode and all(c.k_np[i] is not None for c in caches):
-            _fused_layer(model, i, layer, x, caches, pos)
+            _fused_layer(model, i, layer, x, pos, *_layer_caches(model, caches, i))
         elif layer.attn.qkv.batch_kernels and layer.attn.o.batch_kernels:
             x = _layer(model, i, layer, x, caches, pos)
         else:  # weights on the GPU tier: one sequence at a time, as one token
@@ -54,9 +54,39 @@ def decode_step(model: Model, tokens: list[int], caches: list[KVCache]) -> torch
     return _logits(model, x)
 
 
-def _fused_layer(model: Model, i: int, layer: Layer, x: torch.Tensor, caches: list[KVCache], pos: list[int]) -> None:
-    """A Llama-shaped layer for every sequence, x (B, d) updated in place: what
-    `Model._fused_block` does for one token, with each weight read once."""
+def short_prefill_fits(model: Model, tokens: int, cache: KVCache) -> bool:
+    """Whether `prefill_short` can run these tokens: a few of them, every layer Llama-shaped
+    with a dense FFN the CPU kernels read, and the cache in CPU memory."""
+    return (1 < tokens <= SHORT_PREFILL_MAX
+            and all(layer.fused_decode and type(layer.ffn) is DenseFFN and layer.ffn.w_in.w_np is not None
+                    and layer.ffn.w_out.w_np is not None and cache.k_np[i] is not None
+                    for i, layer in enumerate(model.layers)))
+
+
+# Up to here a prompt is cheaper as a batch of decode rows than through the prefill's torch ops,
+# whose fixed cost per op (~30 a layer) dominates a short prompt (docs/BENCHMARKS.md, "Short prompts").
+SHORT_PREFILL_MAX = 16
+
+
+@torch.inference_mode()
+def prefill_short(model: Model, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+    """A short prompt's hidden states: x (T, d) are its embedded tokens at positions start..
+    start+T-1 of `cache`, run through every layer by the batched decode kernels as T rows that
+    share one cache. Correctly causal: the attention kernel writes every row's key and value
+    before any row reads, and row t reads positions <= start + t only."""
+    T = x.shape[0]
+    pos = list(range(start, start + T))
+    for i, layer in enumerate(model.layers):
+        k_caches, v_caches = List([cache.k_np[i]] * T), List([cache.v_np[i]] * T)
+        _fused_layer(model, i, layer, x, pos, k_caches, v_caches)
+    return x
+
+
+def _fused_layer(model: Model, i: int, layer: Layer, x: torch.Tensor, pos: list[int], k_caches: List,
+                 v_caches: List) -> None:
+    """A Llama-shaped layer for every row, x (B, d) updated in place: what
+    `Model._fused_block` does for one token, with each weight read once; row b at position
+    pos[b] over caches k_caches[b] / v_caches[b]."""
     a, shape = model.args, model._attn_shape
     w = model.attention_weights(layer)
     B = x.shape[0]
@@ -65,7 +95,6 @@ def _fused_layer(model: Model, i: int, layer: Layer, x: torch.Tensor, caches: li
     api.attention_in_batch(w, xs, qkv)
     cos, sin = model.rope_cos_sin(max(pos) + 1) if shape.rope else (_EMPTY_TABLE, _EMPTY_TABLE)
     att = np.empty((B, a.q_dim), dtype=np.float32)
-    k_caches, v_caches = _layer_caches(model, caches, i)
     api.attend_batch(qkv, shape, np.asarray(pos, dtype=np.int64), cos, sin, k_caches, v_caches, att)
     h = np.empty((B, a.d_model), dtype=np.float32)
     api.attention_out_batch(w, att, xs, h)

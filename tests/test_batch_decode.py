@@ -86,10 +86,11 @@ def _solo_logits(model, prompt: list[int], steps: list[int]) -> list[torch.Tenso
     return [model.forward(torch.tensor([t]), cache) for t in steps]
 
 
-def check_batch_equals_solo(model, vocab: int, seed: int = 0) -> None:
+def check_batch_equals_solo(model, vocab: int, seed: int = 0, per_layer_caches: bool = False) -> None:
     """Sequences with prompts of different lengths decode together, a fourth joins after two
     steps and the first leaves after four: every row equals the sequence decoded alone, bit
-    for bit."""
+    for bit. `per_layer_caches`: the caches without their (layers, ...) blocks, as when some
+    layers' caches are on the GPU tier (the attention then takes per-layer lists)."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, vocab, n).tolist() for n in (5, 1, 9, 3)]
     feeds = [rng.integers(3, vocab, 6).tolist() for _ in prompts]
@@ -97,6 +98,8 @@ def check_batch_equals_solo(model, vocab: int, seed: int = 0) -> None:
     caches = [model.new_cache(len(p) + 7) for p in prompts]
     for p, c in zip(prompts, caches):
         prefill(model, torch.tensor(p), c)
+        if per_layer_caches:
+            c.k_all_np = c.v_all_np = None
     members = {0: 0, 1: 0, 2: 0}  # sequence -> steps done
     for step in range(6):
         if step == 2:
@@ -110,26 +113,30 @@ def check_batch_equals_solo(model, vocab: int, seed: int = 0) -> None:
             members[s] += 1
 
 
-def test_batched_attention_equals_each_sequence_alone():
+@pytest.mark.parametrize("blocks", [False, True])
+def test_batched_attention_equals_each_sequence_alone(blocks):
     """Sequences at positions of one, two and three chunks of `cpu.CHUNK` (their work items
-    in one parallel loop) attend exactly as `cpu.attend_one` does for each alone."""
+    in one parallel loop) attend exactly as `cpu.attend_one` does for each alone; their
+    caches passed per layer or as (layers, ...) blocks with the layer's index."""
     from numba.typed import List
 
-    n_heads, n_kv, d, max_len = 6, 2, 16, 700
+    n_heads, n_kv, d, max_len, layers, layer = 6, 2, 16, 700, 3, 1
     rng = np.random.default_rng(3)
     pos = np.array([10, 300, 650, 256], dtype=np.int64)
     angles = np.outer(np.arange(max_len), 1 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
     cos, sin = np.cos(angles), np.sin(angles)
     qkv = rng.standard_normal((len(pos), (n_heads + 2 * n_kv) * d)).astype(np.float32)
-    caches = [rng.standard_normal((2, n_kv, max_len, d)).astype(np.float32) for _ in pos]
+    caches = [rng.standard_normal((2, layers, n_kv, max_len, d)).astype(np.float32) for _ in pos]
     alone = np.zeros((len(pos), n_heads * d), dtype=np.float32)
     for s, c in enumerate(caches):
-        k, v = c[0].copy(), c[1].copy()
+        k, v = c[0, layer].copy(), c[1, layer].copy()
         cpu.attend_one(qkv[s], pos[s], cos, sin, k, v, n_heads, n_kv, d, np.float32(d**-0.5), True, alone[s], 0,
                        np.float32(0.0))
     together = np.zeros_like(alone)
-    batch_decode.attend(qkv, pos, cos, sin, List([c[0] for c in caches]), List([c[1] for c in caches]), n_heads,
-                        n_kv, d, np.float32(d**-0.5), True, together)
+    k_caches = List([c[0] if blocks else c[0, layer] for c in caches])
+    v_caches = List([c[1] if blocks else c[1, layer] for c in caches])
+    batch_decode.attend(qkv, pos, cos, sin, k_caches, v_caches, layer, n_heads, n_kv, d, np.float32(d**-0.5), True,
+                        together)
     assert [cpu.attention_chunks(p, 0) for p in pos] == [1, 2, 3, 2]
     assert np.array_equal(together, alone)
 
@@ -145,6 +152,11 @@ def test_default_model_decodes_in_a_batch_as_alone(smollm2_path, dtype):
     """Its own Q4_1 blocks (Q8_0 embeddings), and bf16 panels: both bit for bit."""
     lm = powerinfer.load(smollm2_path, dtype=dtype)
     check_batch_equals_solo(lm.model, lm.args.vocab_size)
+
+
+def test_a_batch_of_per_layer_caches_decodes_as_alone(tmp_path):
+    lm = powerinfer.load(str(build_tiny("llama", tmp_path)))
+    check_batch_equals_solo(lm.model, lm.args.vocab_size, per_layer_caches=True)
 
 
 @pytest.mark.parametrize("source", ["tiny_llama", "smollm2_native"])

@@ -43,7 +43,7 @@ def decode_step(model: Model, tokens: list[int], caches: list[KVCache]) -> torch
     x = torch.cat([model.embed_tokens(ids[b:b + 1], pos[b]) for b in range(B)]).contiguous()
     for i, layer in enumerate(model.layers):
         if layer.fused_decode and all(c.k_np[i] is not None for c in caches):
-            _fused_layer(model, i, layer, x, pos, *_layer_caches(model, caches, i))
+            _fused_layer(model, i, layer, x, pos, *_layer_caches(model, caches, i), i)
         elif layer.attn.qkv.batch_kernels and layer.attn.o.batch_kernels:
             x = _layer(model, i, layer, x, caches, pos)
         else:  # weights on the GPU tier: one sequence at a time, as one token
@@ -63,8 +63,9 @@ def short_prefill_fits(model: Model, tokens: int, cache: KVCache) -> bool:
                     for i, layer in enumerate(model.layers)))
 
 
-# Up to here a prompt is cheaper as a batch of decode rows than through the prefill's torch ops,
-# whose fixed cost per op (~30 a layer) dominates a short prompt (docs/BENCHMARKS.md, "Short prompts").
+# Up to here a prompt is cheaper as decode rows than through the prefill's torch ops, whose fixed
+# cost per op dominates a short prompt on a small model; past ~16 a 7B's prefill GEMMs win
+# (docs/BENCHMARKS.md, "Short prompts").
 SHORT_PREFILL_MAX = 16
 
 
@@ -77,16 +78,16 @@ def prefill_short(model: Model, x: torch.Tensor, cache: KVCache, start: int) -> 
     T = x.shape[0]
     pos = list(range(start, start + T))
     for i, layer in enumerate(model.layers):
-        k_caches, v_caches = List([cache.k_np[i]] * T), List([cache.v_np[i]] * T)
-        _fused_layer(model, i, layer, x, pos, k_caches, v_caches)
+        _fused_layer(model, i, layer, x, pos, cache.k_np[i], cache.v_np[i], i)
     return x
 
 
-def _fused_layer(model: Model, i: int, layer: Layer, x: torch.Tensor, pos: list[int], k_caches: List,
-                 v_caches: List) -> None:
+def _fused_layer(model: Model, i: int, layer: Layer, x: torch.Tensor, pos: list[int], k_caches: List | np.ndarray,
+                 v_caches: List | np.ndarray, cache_layer: int) -> None:
     """A Llama-shaped layer for every row, x (B, d) updated in place: what
     `Model._fused_block` does for one token, with each weight read once; row b at position
-    pos[b] over caches k_caches[b] / v_caches[b]."""
+    pos[b] over caches k_caches[b] / v_caches[b] (typed lists), or over the one cache all
+    rows share (arrays); `cache_layer` picks the layer where those are (layers, ...) blocks."""
     a, shape = model.args, model._attn_shape
     w = model.attention_weights(layer)
     B = x.shape[0]
@@ -95,7 +96,7 @@ def _fused_layer(model: Model, i: int, layer: Layer, x: torch.Tensor, pos: list[
     api.attention_in_batch(w, xs, qkv)
     cos, sin = model.rope_cos_sin(max(pos) + 1) if shape.rope else (_EMPTY_TABLE, _EMPTY_TABLE)
     att = np.empty((B, a.q_dim), dtype=np.float32)
-    api.attend_batch(qkv, shape, np.asarray(pos, dtype=np.int64), cos, sin, k_caches, v_caches, att)
+    api.attend_batch(qkv, shape, np.asarray(pos, dtype=np.int64), cos, sin, k_caches, v_caches, cache_layer, att)
     h = np.empty((B, a.d_model), dtype=np.float32)
     api.attention_out_batch(w, att, xs, h)
     if layer.ffn.add_batch(h, xs):
@@ -157,15 +158,24 @@ def _ffn(ffn, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Te
 
 
 def _layer_caches(model: Model, caches: list[KVCache], layer: int) -> tuple[List, List]:
-    """Layer `layer`'s key and value caches of these sequences as numba typed lists, built
-    once per batch membership (filling them costs ~1 us an item) and kept on the model."""
+    """These sequences' caches as numba typed lists for the attention kernel: their
+    (layers, ...) blocks where every cache has one (two lists for all layers), else layer
+    `layer`'s caches. Built once per batch membership (a typed list costs ~80 us to build
+    from Python, so per-layer lists cost ~5 ms per join or leave at 30 layers) and kept on
+    the model."""
     memo = getattr(model, "_batch_kv", None)
     # the cache objects themselves are the key (ids could be reused after one is freed)
     if memo is None or len(memo[0]) != len(caches) or any(a is not b for a, b in zip(memo[0], caches)):
         memo = model._batch_kv = (list(caches), {})
-    lists = memo[1].get(layer)
+    blocks = all(c.k_all_np is not None for c in caches)
+    key = -1 if blocks else layer
+    lists = memo[1].get(key)
     if lists is None:
-        lists = memo[1][layer] = (List([c.k_np[layer] for c in caches]), List([c.v_np[layer] for c in caches]))
+        if blocks:
+            lists = (List([c.k_all_np for c in caches]), List([c.v_all_np for c in caches]))
+        else:
+            lists = (List([c.k_np[layer] for c in caches]), List([c.v_np[layer] for c in caches]))
+        memo[1][key] = lists
     return lists
 
 

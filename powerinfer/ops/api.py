@@ -252,10 +252,11 @@ def attention_in_batch(w: AttentionWeights, X: np.ndarray, qkv: np.ndarray) -> N
 
 
 def attend_batch(qkv: np.ndarray, s: AttentionShape, pos: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-                 k_caches, v_caches, out: np.ndarray) -> None:
-    """Decode attention for several sequences, each over its own cache (`k_caches`/`v_caches`:
-    numba typed lists of the sequences' layer caches), in one call."""
-    batch_decode.attend(qkv, pos, cos, sin, k_caches, v_caches, s.n_heads, s.n_kv_heads, s.head_dim, s.scale, s.rope,
+                 k_caches, v_caches, layer: int, out: np.ndarray) -> None:
+    """Decode attention for several rows in one call, each over its own sequence's cache of
+    `layer` (`k_caches`/`v_caches`: numba typed lists of the sequences' caches) or all over
+    one (arrays: a short prompt's tokens); batch_decode.attend says which shapes."""
+    batch_decode.attend(qkv, pos, cos, sin, k_caches, v_caches, layer, s.n_heads, s.n_kv_heads, s.head_dim, s.scale, s.rope,
                         out)
 
 

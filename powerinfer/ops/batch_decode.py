@@ -245,19 +245,40 @@ def attention_out(ATT, wo, bo, X, ffn_norm_w, eps, H_out, threads):
         rms_norm(X[s], ffn_norm_w, eps, H_out[s])
 
 
+def _cache_of(caches, s, layer):  # pragma: no cover - only its numba overload runs
+    raise NotImplementedError("_cache_of() is for numba kernels")
+
+
+@overload(_cache_of, inline="always")
+def _cache_of_any(caches, s, layer):
+    """Row s's (kv_heads, max_len, head_dim) cache of `layer`: from a typed list of the
+    sequences' caches, (layers, ...) blocks or one layer's; or from the one cache all rows
+    share, a (layers, ...) block or one layer's."""
+    if isinstance(caches, types.Array):
+        if caches.ndim == 4:
+            return lambda caches, s, layer: caches[layer]
+        return lambda caches, s, layer: caches
+    if caches.dtype.ndim == 4:
+        return lambda caches, s, layer: caches[s][layer]
+    return lambda caches, s, layer: caches[s]
+
+
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def attend(QKV, pos, cos, sin, k_caches, v_caches, n_heads, n_kv, head_dim, scale, rope, ATT):
-    """Decode attention for B sequences in one call: sequence s's token at position pos[s]
-    (RoPE, its keys and values written into its own caches k_caches[s] / v_caches[s], typed
-    lists of (kv_heads, max_len, head_dim) arrays), then softmax(q k^T * scale) v: every
-    sequence's (KV head, chunk) work items in one parallel loop, as `cpu.attend_one` runs them
-    per sequence, without a thread launch each (at 8 sequences those launches were a fifth of
-    a step)."""
+def attend(QKV, pos, cos, sin, k_caches, v_caches, layer, n_heads, n_kv, head_dim, scale, rope, ATT):
+    """Decode attention for B rows in one call: row s's token at position pos[s] (RoPE, its
+    keys and values written into its cache of `layer`: from k_caches[s] / v_caches[s], typed
+    lists with one element per sequence, its (layers, kv_heads, max_len, head_dim) blocks or
+    its (kv_heads, max_len, head_dim) layer caches; or from one cache all rows share, a short
+    prompt's tokens, causal because every row is written before any is read), then
+    softmax(q k^T * scale) v: every row's (KV head, chunk) work items in one parallel loop, as
+    `cpu.attend_one` runs them per sequence, without a thread launch each (at 8 sequences
+    those launches were a fifth of a step)."""
     B = QKV.shape[0]
     chunks = np.empty(B, dtype=np.int64)
     start = np.zeros(B + 1, dtype=np.int64)  # sequence s's work items: start[s] .. start[s + 1]
     for s in range(B):
-        write_kv(QKV[s], pos[s], cos, sin, k_caches[s], v_caches[s], n_heads, n_kv, head_dim, rope)
+        write_kv(QKV[s], pos[s], cos, sin, _cache_of(k_caches, s, layer), _cache_of(v_caches, s, layer), n_heads, n_kv, head_dim,
+                 rope)
         chunks[s] = attention_chunks(pos[s], 0)
         start[s + 1] = start[s] + n_kv * chunks[s]
     most = chunks.max()
@@ -267,8 +288,9 @@ def attend(QKV, pos, cos, sin, k_caches, v_caches, n_heads, n_kv, head_dim, scal
     for item in prange(start[B]):
         s = np.searchsorted(start, item, side="right") - 1
         k = item - start[s]
-        attend_chunk(k // chunks[s], k % chunks[s], QKV[s], pos[s], cos, sin, k_caches[s], v_caches[s], n_heads,
-                     n_kv, head_dim, scale, rope, 0, np.float32(0.0), top[s], total[s], o[s])
+        attend_chunk(k // chunks[s], k % chunks[s], QKV[s], pos[s], cos, sin, _cache_of(k_caches, s, layer),
+                     _cache_of(v_caches, s, layer), n_heads, n_kv, head_dim, scale, rope, 0, np.float32(0.0), top[s],
+                     total[s], o[s])
     for s in range(B):
         merge_chunks(chunks[s], top[s], total[s], o[s], ATT[s], head_dim)
 

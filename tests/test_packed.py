@@ -680,3 +680,18 @@ def test_a_failed_write_leaves_the_old_artefact_and_no_debris(relu, tmp_path, mo
         pack_model(relu.path, str(out), relu.profile, None, force=True)
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["packed"]  # no temporary folder left behind
+
+
+def test_a_cpu_predictor_holds_one_copy_of_w2():
+    """W2 is kept transposed for the kernels and W2 itself is a view of that copy: equal to
+    what was given, no second copy, and the torch route computes the same logits."""
+    from powerinfer.engine.predictor import Predictor
+
+    g = torch.Generator().manual_seed(5)
+    w1, b1, w2, b2 = (torch.randn(*s, generator=g) for s in ((37, 64), (37,), (500, 37), (500,)))
+    p = Predictor(w1, b1, w2, b2, 0.0)
+    assert torch.equal(p.w2, w2)
+    assert p.w2.untyped_storage().data_ptr() == torch.from_numpy(p._w2t).untyped_storage().data_ptr()
+    x = torch.randn(1, 64, generator=g)
+    want = torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w1, b1)), w2, b2)
+    torch.testing.assert_close(p._device_logits(x), want, rtol=1e-5, atol=1e-4)

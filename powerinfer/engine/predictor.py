@@ -34,6 +34,9 @@ class Predictor:
             # padded with zero rows
             w1p, b1p, self._w2t = sparse_cpu.pad_rank(self.w1.numpy(), self.b1.numpy(),
                                                       self.w2.t().contiguous().numpy())
+            # W2 itself becomes a view of that copy: one copy held, not two (a rank-1024 7B
+            # predictor is 45 MB a layer)
+            self.w2 = torch.from_numpy(self._w2t[:self.w1.shape[0]]).t()
             self._np = (w1p, b1p, self.b2.numpy())
             self._hidden = np.empty((1, w1p.shape[0]), dtype=np.float32)
             self._logits = np.empty((1, self.w2.shape[0]), dtype=np.float32)

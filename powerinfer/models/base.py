@@ -553,7 +553,7 @@ class Model:
         stack = self._layer_stack() if T == 1 and cache.k_all_np is not None else None
         if stack is not None:
             stack.run(self, x[0].numpy(), cache, start)
-        elif T > 1 and self.short_prefill and _batch().short_prefill_fits(self, T, cache):
+        elif self.short_prefill and _batch().short_prefill_fits(self, T, cache):
             x = _batch().prefill_short(self, x, cache, start)
         else:
             for i, layer in enumerate(self.layers):

@@ -86,8 +86,9 @@ def _fused_layer(model: Model, i: int, layer: Layer, x: torch.Tensor, pos: list[
                  v_caches: List | np.ndarray, cache_layer: int) -> None:
     """A Llama-shaped layer for every row, x (B, d) updated in place: what
     `Model._fused_block` does for one token, with each weight read once; row b at position
-    pos[b] over caches k_caches[b] / v_caches[b] (typed lists), or over the one cache all
-    rows share (arrays); `cache_layer` picks the layer where those are (layers, ...) blocks."""
+    pos[b] over caches k_caches[b] / v_caches[b] (typed lists), or over the one layer cache
+    all rows share (arrays); `cache_layer` picks the layer where the lists hold (layers, ...)
+    blocks."""
     a, shape = model.args, model._attn_shape
     w = model.attention_weights(layer)
     B = x.shape[0]

@@ -256,8 +256,8 @@ def attend_batch(qkv: np.ndarray, s: AttentionShape, pos: np.ndarray, cos: np.nd
     """Decode attention for several rows in one call, each over its own sequence's cache of
     `layer` (`k_caches`/`v_caches`: numba typed lists of the sequences' caches) or all over
     one (arrays: a short prompt's tokens); batch_decode.attend says which shapes."""
-    batch_decode.attend(qkv, pos, cos, sin, k_caches, v_caches, layer, s.n_heads, s.n_kv_heads, s.head_dim, s.scale, s.rope,
-                        out)
+    batch_decode.attend(qkv, pos, cos, sin, k_caches, v_caches, layer, s.n_heads, s.n_kv_heads, s.head_dim, s.scale,
+                        s.rope, out)
 
 
 def attention_out_batch(w: AttentionWeights, att: np.ndarray, X: np.ndarray, h_out: np.ndarray) -> None:

@@ -252,11 +252,9 @@ def _cache_of(caches, s, layer):  # pragma: no cover - only its numba overload r
 @overload(_cache_of, inline="always")
 def _cache_of_any(caches, s, layer):
     """Row s's (kv_heads, max_len, head_dim) cache of `layer`: from a typed list of the
-    sequences' caches, (layers, ...) blocks or one layer's; or from the one cache all rows
-    share, a (layers, ...) block or one layer's."""
+    sequences' caches, (layers, ...) blocks or one layer's; or the one layer cache all rows
+    share."""
     if isinstance(caches, types.Array):
-        if caches.ndim == 4:
-            return lambda caches, s, layer: caches[layer]
         return lambda caches, s, layer: caches
     if caches.dtype.ndim == 4:
         return lambda caches, s, layer: caches[s][layer]
@@ -268,8 +266,8 @@ def attend(QKV, pos, cos, sin, k_caches, v_caches, layer, n_heads, n_kv, head_di
     """Decode attention for B rows in one call: row s's token at position pos[s] (RoPE, its
     keys and values written into its cache of `layer`: from k_caches[s] / v_caches[s], typed
     lists with one element per sequence, its (layers, kv_heads, max_len, head_dim) blocks or
-    its (kv_heads, max_len, head_dim) layer caches; or from one cache all rows share, a short
-    prompt's tokens, causal because every row is written before any is read), then
+    its (kv_heads, max_len, head_dim) layer caches; or one such layer cache all rows share, a
+    short prompt's tokens, causal because every row is written before any is read), then
     softmax(q k^T * scale) v: every row's (KV head, chunk) work items in one parallel loop, as
     `cpu.attend_one` runs them per sequence, without a thread launch each (at 8 sequences
     those launches were a fifth of a step)."""
@@ -277,8 +275,8 @@ def attend(QKV, pos, cos, sin, k_caches, v_caches, layer, n_heads, n_kv, head_di
     chunks = np.empty(B, dtype=np.int64)
     start = np.zeros(B + 1, dtype=np.int64)  # sequence s's work items: start[s] .. start[s + 1]
     for s in range(B):
-        write_kv(QKV[s], pos[s], cos, sin, _cache_of(k_caches, s, layer), _cache_of(v_caches, s, layer), n_heads, n_kv, head_dim,
-                 rope)
+        write_kv(QKV[s], pos[s], cos, sin, _cache_of(k_caches, s, layer), _cache_of(v_caches, s, layer), n_heads,
+                 n_kv, head_dim, rope)
         chunks[s] = attention_chunks(pos[s], 0)
         start[s + 1] = start[s] + n_kv * chunks[s]
     most = chunks.max()

@@ -18,6 +18,7 @@ from numba import typeof
 from numba.typed import List
 
 from ..ops import api
+from ..ops.decode_team import runs_as_team
 from .ffn import DenseFFN
 
 if TYPE_CHECKING:
@@ -28,10 +29,15 @@ if TYPE_CHECKING:
 class LayerStack:
     """The per-layer kernel arrays of a model whose decode can run as one call."""
 
-    def __init__(self, ffns: list[Any], lists: dict[str, List], ffn_kind: tuple[bool, int, int]):
+    def __init__(self, ffns: list[Any], lists: dict[str, List], ffn_kind: tuple[bool, int, int], team: bool):
         self.ffns = ffns  # the FFN objects the lists were gathered from (checked per token)
         self.lists = lists
         self.gated, self.act_id, self.up_act_id = ffn_kind
+        # every layer in one parallel region (ops/decode_team.py); off after TEAM_MISSES
+        # regions in a row ran alone (a threading layer that does not give each thread its own
+        # iteration, where every token would wait out the join)
+        self.team = team
+        self.team_misses = 0
 
     def current(self, model: Model) -> bool:
         """Whether the model's layers still hold the FFNs gathered here (the profiler swaps
@@ -43,12 +49,20 @@ class LayerStack:
         s = model._attn_shape
         cos, sin = model.rope_cos_sin(pos + 1) if s.rope else (_EMPTY_TABLE, _EMPTY_TABLE)
         w = self.lists
+        if self.team and api.threads() > 1:
+            size = api.layer_stack_team(x, w["norm_w"], model.args.norm_eps, w["wqkv"], w["bqkv"], w["wo"], w["bo"],
+                                        w["ffn_norm_w"], w["w_in"], w["b_in"], w["w_out"], w["b_out"], self.act_id,
+                                        self.up_act_id, pos, cos, sin, cache.k_all_np, cache.v_all_np, s)
+            self.team_misses = 0 if size > 1 else self.team_misses + 1
+            self.team = self.team_misses < TEAM_MISSES
+            return
         api.layer_stack(x, w["norm_w"], model.args.norm_eps, w["wqkv"], w["bqkv"], w["wo"], w["bo"], w["ffn_norm_w"],
                         w["w_in"], w["b_in"], w["w_out"], w["b_out"], self.gated, self.act_id, self.up_act_id, pos,
                         cos, sin, cache.k_all_np, cache.v_all_np, s)
 
 
 _EMPTY_TABLE = np.zeros((0, 0), dtype=np.float32)
+TEAM_MISSES = 3
 
 
 def layer_stack(model: Model) -> LayerStack | None:
@@ -79,4 +93,7 @@ def layer_stack(model: Model) -> LayerStack | None:
         if len({typeof(a) for a in arrays}) != 1:  # formats (or read-only flags) differ across layers
             return None
         lists[k] = List(arrays)
-    return LayerStack(ffns, lists, kinds.pop())
+    gated, act_id, up_act_id = kinds.pop()
+    team = all(runs_as_team(w, o, i, d, gated) for w, o, i, d in zip(per_layer["wqkv"], per_layer["wo"],
+                                                                       per_layer["w_in"], per_layer["w_out"]))
+    return LayerStack(ffns, lists, (gated, act_id, up_act_id), team)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import BadArgumentError
-from . import batch_decode, cpu, decode, panels, sparse_cpu, torch_ops
+from . import batch_decode, cpu, decode, decode_team, panels, sparse_cpu, torch_ops
 from .activations import activation_id
 from .cpu import NO_BIAS, SUPPORTED_DTYPES
 from .criterion import Criterion
@@ -216,6 +216,21 @@ def layer_stack(x: np.ndarray, norm_w, eps: float, wqkv, bqkv, wo, bo, ffn_norm_
     decode.layer_stack(x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_out, b_out, gated, act_id,
                        up_act_id, pos, cos, sin, k_all, v_all, s.n_heads, s.n_kv_heads, s.head_dim, s.scale, s.rope,
                        panels.threads())
+
+
+def layer_stack_team(x: np.ndarray, norm_w, eps: float, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_out, b_out,
+                     act_id: int, up_act_id: int, pos: int, cos: np.ndarray, sin: np.ndarray, k_all: np.ndarray,
+                     v_all: np.ndarray, s: AttentionShape) -> int:
+    """`layer_stack` for gated FFNs with every matrix in lanes, the whole token in one parallel
+    region (ops/decode_team.py); returns the team's size (1: one thread ran it all)."""
+    return decode_team.layer_stack_team(x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_out, b_out,
+                                        act_id, up_act_id, pos, cos, sin, k_all, v_all, s.n_heads, s.n_kv_heads,
+                                        s.head_dim, s.scale, s.rope, panels.threads())
+
+
+def threads() -> int:
+    """The kernels' thread count (numba's)."""
+    return panels.threads()
 
 
 def attend_one(qkv: np.ndarray, s: AttentionShape, pos: int, cos: np.ndarray, sin: np.ndarray, k_cache: np.ndarray,

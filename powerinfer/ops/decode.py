@@ -126,6 +126,34 @@ def _gated_hidden_any(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, thresho
         h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden)
 
 
+@njit(inline="always")
+def record_block(bb_out):
+    """(P, record bytes) of the down projection's activation records: P neurons per record."""
+    P = 256 if bb_out == 144 or bb_out == 176 or bb_out == 210 else 32
+    return P, 72 * (P // 32)  # block_ir.record_bytes(bb_out)
+
+
+@njit(inline="always", fastmath=True, error_model="numpy")
+def gated_record_block(blk, qa, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, bb_out, pre, hidden,
+                       out):
+    """Record block `blk` of `_gated_records`: its P neurons' gate and up lane dots with the
+    records qa into pre[blk] (zeroed), their values into hidden, their records into out."""
+    bb, nb = w_in.shape[3], w_in.shape[1]
+    P, rec = record_block(bb_out)
+    per = P // LANES  # gate groups (and up groups) per record block
+    up0 = n_ff // LANES  # the first group of up rows
+    gs = w_in.strides[0]
+    a0 = qa.ctypes.data
+    for j in range(per):
+        g = blk * per + j
+        dst = pre.ctypes.data + 4 * (2 * P * blk + LANES * j)
+        lane_dots1(bb, w_in.ctypes.data + g * gs, nb, (a0,), (dst,))
+        lane_dots1(bb, w_in.ctypes.data + (up0 + g) * gs, nb, (a0,), (dst + 4 * P,))
+    gated_values(pre[blk, 0], pre[blk, 1], hidden[blk * P:(blk + 1) * P], blk * P, n_ff, b_in, act_id,
+                 up_act_id, criterion, threshold)
+    _quantize_into(hidden[blk * P:(blk + 1) * P], bb_out, out[blk * rec:(blk + 1) * rec])
+
+
 @njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
 def _gated_records(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, bb_out):
     """The gated FFN's neurons for W_in in lanes, as the int8 records of a down projection
@@ -133,29 +161,17 @@ def _gated_records(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold,
     and up lane dots of its rows, their values (`_gated_value`), then their records. The same
     dots, values and records as `_gated_hidden_pre` followed by `quantize_acts`, without the
     second parallel loop and the serial quantizer (about a sixth of SmolLM2's FFN)."""
-    bb, nb = w_in.shape[3], w_in.shape[1]
     qa = quantize_acts(h, lanes.record_bytes(w_in))
-    P = 256 if bb_out == 144 or bb_out == 176 or bb_out == 210 else 32
-    rec = 72 * (P // 32)  # block_ir.record_bytes(bb_out)
+    P, rec = record_block(bb_out)
     n_blocks = n_ff // P
-    per = P // LANES  # gate groups (and up groups) per record block
-    up0 = n_ff // LANES  # the first group of up rows
     pre = np.zeros((n_blocks, 2, P), dtype=np.float32)
     hidden = np.empty(n_ff, dtype=np.float32)
     out = np.empty(n_blocks * rec, dtype=np.uint8)
-    gs = w_in.strides[0]
     for blk in prange(n_blocks):
-        # addresses taken here, not before the loop: numba frees an array after its last use
-        # by name, and the kernels read qa through a raw address
-        a0 = qa.ctypes.data
-        for j in range(per):
-            g = blk * per + j
-            dst = pre.ctypes.data + 4 * (2 * P * blk + LANES * j)
-            lane_dots1(bb, w_in.ctypes.data + g * gs, nb, (a0,), (dst,))
-            lane_dots1(bb, w_in.ctypes.data + (up0 + g) * gs, nb, (a0,), (dst + 4 * P,))
-        gated_values(pre[blk, 0], pre[blk, 1], hidden[blk * P:(blk + 1) * P], blk * P, n_ff, b_in, act_id,
-                     up_act_id, criterion, threshold)
-        _quantize_into(hidden[blk * P:(blk + 1) * P], bb_out, out[blk * rec:(blk + 1) * rec])
+        # qa passed in the loop, not its address before it: numba frees an array after its
+        # last use by name, and the kernels read qa through a raw address
+        gated_record_block(blk, qa, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, bb_out, pre, hidden,
+                           out)
     return out
 
 

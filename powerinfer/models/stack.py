@@ -33,11 +33,7 @@ class LayerStack:
         self.ffns = ffns  # the FFN objects the lists were gathered from (checked per token)
         self.lists = lists
         self.gated, self.act_id, self.up_act_id = ffn_kind
-        # every layer in one parallel region (ops/decode_team.py); off after TEAM_MISSES
-        # regions in a row ran alone (a threading layer that does not give each thread its own
-        # iteration, where every token would wait out the join)
-        self.team = team
-        self.team_misses = 0
+        self.team = team  # every layer in one parallel region (ops/decode_team.py)
 
     def current(self, model: Model) -> bool:
         """Whether the model's layers still hold the FFNs gathered here (the profiler swaps
@@ -50,11 +46,9 @@ class LayerStack:
         cos, sin = model.rope_cos_sin(pos + 1) if s.rope else (_EMPTY_TABLE, _EMPTY_TABLE)
         w = self.lists
         if self.team and api.threads() > 1:
-            size = api.layer_stack_team(x, w["norm_w"], model.args.norm_eps, w["wqkv"], w["bqkv"], w["wo"], w["bo"],
-                                        w["ffn_norm_w"], w["w_in"], w["b_in"], w["w_out"], w["b_out"], self.act_id,
-                                        self.up_act_id, pos, cos, sin, cache.k_all_np, cache.v_all_np, s)
-            self.team_misses = 0 if size > 1 else self.team_misses + 1
-            self.team = self.team_misses < TEAM_MISSES
+            api.layer_stack_team(x, w["norm_w"], model.args.norm_eps, w["wqkv"], w["bqkv"], w["wo"], w["bo"],
+                                 w["ffn_norm_w"], w["w_in"], w["b_in"], w["w_out"], w["b_out"], self.act_id,
+                                 self.up_act_id, pos, cos, sin, cache.k_all_np, cache.v_all_np, s)
             return
         api.layer_stack(x, w["norm_w"], model.args.norm_eps, w["wqkv"], w["bqkv"], w["wo"], w["bo"], w["ffn_norm_w"],
                         w["w_in"], w["b_in"], w["w_out"], w["b_out"], self.gated, self.act_id, self.up_act_id, pos,
@@ -62,7 +56,6 @@ class LayerStack:
 
 
 _EMPTY_TABLE = np.zeros((0, 0), dtype=np.float32)
-TEAM_MISSES = 3
 
 
 def layer_stack(model: Model) -> LayerStack | None:

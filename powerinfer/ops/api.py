@@ -220,10 +220,10 @@ def layer_stack(x: np.ndarray, norm_w, eps: float, wqkv, bqkv, wo, bo, ffn_norm_
 
 def layer_stack_team(x: np.ndarray, norm_w, eps: float, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_out, b_out,
                      act_id: int, up_act_id: int, pos: int, cos: np.ndarray, sin: np.ndarray, k_all: np.ndarray,
-                     v_all: np.ndarray, s: AttentionShape) -> int:
+                     v_all: np.ndarray, s: AttentionShape) -> None:
     """`layer_stack` for gated FFNs with every matrix in lanes, the whole token in one parallel
-    region (ops/decode_team.py); returns the team's size (1: one thread ran it all)."""
-    return decode_team.layer_stack_team(x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_out, b_out,
+    region (ops/decode_team.py)."""
+    decode_team.layer_stack_team(x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_out, b_out,
                                         act_id, up_act_id, pos, cos, sin, k_all, v_all, s.n_heads, s.n_kv_heads,
                                         s.head_dim, s.scale, s.rope, panels.threads())
 

@@ -156,26 +156,32 @@ def act_inplace(h, act_id):
 
 
 @njit(fastmath=True, cache=True)
-def write_kv(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, rope):
-    """Rotate the token's keys (interleaved RoPE when `rope`) and store keys and values in
-    the (kv_heads, max_len, head_dim) caches at `pos` (fp32, or fp16 bits as int16)."""
+def write_kv_head(g, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, rope):
+    """KV head g's part of `write_kv` (decode's team kernel writes each head's as it attends)."""
     half = head_dim // 2
     q_dim = n_heads * head_dim
     kv_dim = n_kv * head_dim
+    base = q_dim + g * head_dim
+    for i in range(half):
+        k0 = qkv[base + 2 * i]
+        k1 = qkv[base + 2 * i + 1]
+        if rope:
+            c, s = cos[pos, i], sin[pos, i]
+            k_cache[g, pos, 2 * i] = narrow(k0 * c - k1 * s, k_cache)
+            k_cache[g, pos, 2 * i + 1] = narrow(k0 * s + k1 * c, k_cache)
+        else:
+            k_cache[g, pos, 2 * i] = narrow(k0, k_cache)
+            k_cache[g, pos, 2 * i + 1] = narrow(k1, k_cache)
+    for j in range(head_dim):
+        v_cache[g, pos, j] = narrow(qkv[q_dim + kv_dim + g * head_dim + j], v_cache)
+
+
+@njit(fastmath=True, cache=True)
+def write_kv(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, rope):
+    """Rotate the token's keys (interleaved RoPE when `rope`) and store keys and values in
+    the (kv_heads, max_len, head_dim) caches at `pos` (fp32, or fp16 bits as int16)."""
     for g in range(n_kv):
-        base = q_dim + g * head_dim
-        for i in range(half):
-            k0 = qkv[base + 2 * i]
-            k1 = qkv[base + 2 * i + 1]
-            if rope:
-                c, s = cos[pos, i], sin[pos, i]
-                k_cache[g, pos, 2 * i] = narrow(k0 * c - k1 * s, k_cache)
-                k_cache[g, pos, 2 * i + 1] = narrow(k0 * s + k1 * c, k_cache)
-            else:
-                k_cache[g, pos, 2 * i] = narrow(k0, k_cache)
-                k_cache[g, pos, 2 * i + 1] = narrow(k1, k_cache)
-        for j in range(head_dim):
-            v_cache[g, pos, j] = narrow(qkv[q_dim + kv_dim + g * head_dim + j], v_cache)
+        write_kv_head(g, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, rope)
 
 
 # Positions per work item of decode attention. A KV head's query heads (GQA) share one pass

@@ -160,6 +160,35 @@ def test_a_batch_of_per_layer_caches_decodes_as_alone(tmp_path):
 
 
 @pytest.mark.parametrize("source", ["tiny_llama", "smollm2_native"])
+def test_a_batch_step_in_one_call_equals_the_per_layer_batch_path(tmp_path, smollm2_path, source):
+    """Where the layers gather into a stack, a batched step runs every layer in one numba call
+    (batch_decode.layer_stack): the same kernels as the per-layer batch path, so the same
+    logits and caches to the bit, for rows at different positions."""
+    from powerinfer.models import batch
+
+    path = str(build_tiny("llama", tmp_path)) if source == "tiny_llama" else smollm2_path
+    model = powerinfer.load(path, dtype="native").model
+    prompts = [torch.arange(3, 3 + n) % model.args.vocab_size for n in (1, 5, 20)]
+
+    def run(stack: bool):
+        model.stack_decode = stack
+        caches = [model.new_cache(40) for _ in prompts]
+        for p, c in zip(prompts, caches):
+            model.forward(p, c)
+        steps = [batch.decode_step(model, [7 + k, 11 + k, 13 + k], caches) for k in range(3)]
+        return torch.stack(steps), caches
+
+    model.forward(prompts[0], model.new_cache(4))
+    (one_call, caches_a), (per_layer, caches_b) = run(True), run(False)
+    model.stack_decode = True
+    assert model._layer_stack() is not None
+    assert torch.equal(one_call, per_layer)
+    for a, b in zip(caches_a, caches_b):
+        assert a.length == b.length and np.array_equal(a.k_all_np, b.k_all_np)
+        assert np.array_equal(a.v_all_np, b.v_all_np)
+
+
+@pytest.mark.parametrize("source", ["tiny_llama", "smollm2_native"])
 def test_a_short_prompt_prefills_as_its_tokens_decoded_one_by_one(tmp_path, smollm2_path, source):
     """A prompt of a few tokens runs through the batched decode kernels as rows sharing one
     cache (models/batch.py, `prefill_short`): causal, the cache and the last token's logits

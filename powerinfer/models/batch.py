@@ -41,6 +41,16 @@ def decode_step(model: Model, tokens: list[int], caches: list[KVCache]) -> torch
         return model.forward(ids, caches[0])[None]
     pos = [c.length for c in caches]
     x = torch.cat([model.embed_tokens(ids[b:b + 1], pos[b]) for b in range(B)]).contiguous()
+    stack = model._layer_stack() if all(c.k_all_np is not None for c in caches) else None
+    if stack is not None:  # every layer in one call (the per-layer path's kernels, in numba)
+        shape = model._attn_shape
+        cos, sin = model.rope_cos_sin(max(pos) + 1) if shape.rope else (_EMPTY_TABLE, _EMPTY_TABLE)
+        api.layer_stack_batch(x.numpy(), stack.lists, model.args.norm_eps, stack.gated, stack.act_id,
+                              stack.up_act_id, np.asarray(pos, dtype=np.int64), cos, sin,
+                              *_layer_caches(model, caches, 0), shape)
+        for c, p in zip(caches, pos):
+            c.length = p + 1
+        return _logits(model, x)
     for i, layer in enumerate(model.layers):
         if layer.fused_decode and all(c.k_np[i] is not None for c in caches):
             _fused_layer(model, i, layer, x, pos, *_layer_caches(model, caches, i), i)

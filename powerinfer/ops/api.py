@@ -280,6 +280,17 @@ def attention_out_batch(w: AttentionWeights, att: np.ndarray, X: np.ndarray, h_o
     batch_decode.attention_out(att, w.wo, w.bo, X, w.ffn_norm_w, w.eps, h_out, panels.threads())
 
 
+def layer_stack_batch(X: np.ndarray, lists: dict, eps: float, gated: bool, act_id: int, up_act_id: int,
+                      pos: np.ndarray, cos: np.ndarray, sin: np.ndarray, k_caches, v_caches, s: AttentionShape) -> None:
+    """A batched decode step through every layer in one numba call (batch_decode.layer_stack);
+    `lists` are a `models.stack.LayerStack`'s typed lists, the caches typed lists of the
+    sequences' (layers, ...) blocks."""
+    w = lists
+    batch_decode.layer_stack(X, w["norm_w"], eps, w["wqkv"], w["bqkv"], w["wo"], w["bo"], w["ffn_norm_w"], w["w_in"],
+                             w["b_in"], w["w_out"], w["b_out"], gated, act_id, up_act_id, pos, cos, sin, k_caches,
+                             v_caches, s.n_heads, s.n_kv_heads, s.head_dim, s.scale, s.rope, panels.threads())
+
+
 def dense_ffn_add_batch(H: np.ndarray, w_in: np.ndarray, b_in: np.ndarray, w_out: np.ndarray, b_out: np.ndarray,
                         gated: bool, act_id: int, up_act_id: int, X: np.ndarray) -> None:
     """X[s] += FFN(H[s]) in place for every sequence, every neuron's rows read once."""

@@ -162,16 +162,19 @@ def test_a_batch_of_per_layer_caches_decodes_as_alone(tmp_path):
 @pytest.mark.parametrize("source", ["tiny_llama", "smollm2_native"])
 def test_a_batch_step_in_one_call_equals_the_per_layer_batch_path(tmp_path, smollm2_path, source):
     """Where the layers gather into a stack, a batched step runs every layer in one numba call
-    (batch_decode.layer_stack): the same kernels as the per-layer batch path, so the same
-    logits and caches to the bit, for rows at different positions."""
+    (batch_decode.layer_stack; as one team region where every matrix is in lanes,
+    ops/batch_team.py): the same kernels as the per-layer batch path, so the same logits and
+    caches to the bit, for rows at different positions."""
     from powerinfer.models import batch
 
     path = str(build_tiny("llama", tmp_path)) if source == "tiny_llama" else smollm2_path
     model = powerinfer.load(path, dtype="native").model
     prompts = [torch.arange(3, 3 + n) % model.args.vocab_size for n in (1, 5, 20)]
 
-    def run(stack: bool):
+    def run(stack: bool, team: bool = True):
         model.stack_decode = stack
+        if stack:
+            model._layer_stack().team = team and model._layer_stack().team
         caches = [model.new_cache(40) for _ in prompts]
         for p, c in zip(prompts, caches):
             model.forward(p, c)
@@ -179,13 +182,15 @@ def test_a_batch_step_in_one_call_equals_the_per_layer_batch_path(tmp_path, smol
         return torch.stack(steps), caches
 
     model.forward(prompts[0], model.new_cache(4))
-    (one_call, caches_a), (per_layer, caches_b) = run(True), run(False)
-    model.stack_decode = True
     assert model._layer_stack() is not None
-    assert torch.equal(one_call, per_layer)
-    for a, b in zip(caches_a, caches_b):
-        assert a.length == b.length and np.array_equal(a.k_all_np, b.k_all_np)
-        assert np.array_equal(a.v_all_np, b.v_all_np)
+    assert model._layer_stack().team == (source == "smollm2_native")
+    (per_layer, caches_b) = run(False)
+    for team in (True, False):
+        one_call, caches_a = run(True, team)
+        assert torch.equal(one_call, per_layer), (team, (one_call - per_layer).abs().max())
+        for a, b in zip(caches_a, caches_b):
+            assert a.length == b.length and np.array_equal(a.k_all_np, b.k_all_np)
+            assert np.array_equal(a.v_all_np, b.v_all_np)
 
 
 @pytest.mark.parametrize("source", ["tiny_llama", "smollm2_native"])

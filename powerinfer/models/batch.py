@@ -47,7 +47,7 @@ def decode_step(model: Model, tokens: list[int], caches: list[KVCache]) -> torch
         cos, sin = model.rope_cos_sin(max(pos) + 1) if shape.rope else (_EMPTY_TABLE, _EMPTY_TABLE)
         api.layer_stack_batch(x.numpy(), stack.lists, model.args.norm_eps, stack.gated, stack.act_id,
                               stack.up_act_id, np.asarray(pos, dtype=np.int64), cos, sin,
-                              *_layer_caches(model, caches, 0), shape)
+                              *_layer_caches(model, caches, 0), shape, team=stack.team)
         for c, p in zip(caches, pos):
             c.length = p + 1
         return _logits(model, x)

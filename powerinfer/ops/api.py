@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import BadArgumentError
-from . import batch_decode, cpu, decode, decode_team, panels, sparse_cpu, torch_ops
+from . import batch_decode, batch_team, cpu, decode, decode_team, panels, sparse_cpu, torch_ops
 from .activations import activation_id
 from .cpu import NO_BIAS, SUPPORTED_DTYPES
 from .criterion import Criterion
@@ -281,11 +281,19 @@ def attention_out_batch(w: AttentionWeights, att: np.ndarray, X: np.ndarray, h_o
 
 
 def layer_stack_batch(X: np.ndarray, lists: dict, eps: float, gated: bool, act_id: int, up_act_id: int,
-                      pos: np.ndarray, cos: np.ndarray, sin: np.ndarray, k_caches, v_caches, s: AttentionShape) -> None:
+                      pos: np.ndarray, cos: np.ndarray, sin: np.ndarray, k_caches, v_caches, s: AttentionShape,
+                      team: bool = False) -> None:
     """A batched decode step through every layer in one numba call (batch_decode.layer_stack);
     `lists` are a `models.stack.LayerStack`'s typed lists, the caches typed lists of the
-    sequences' (layers, ...) blocks."""
+    sequences' (layers, ...) blocks. `team` (gated FFN, every matrix in lanes): the whole step
+    in one parallel region (ops/batch_team.py), the same rows to the bit."""
     w = lists
+    if team and panels.threads() > 1:
+        batch_team.layer_stack_team(X, w["norm_w"], eps, w["wqkv"], w["bqkv"], w["wo"], w["bo"], w["ffn_norm_w"],
+                                    w["w_in"], w["b_in"], w["w_out"], w["b_out"], act_id, up_act_id, pos, cos, sin,
+                                    k_caches, v_caches, s.n_heads, s.n_kv_heads, s.head_dim, s.scale, s.rope,
+                                    panels.threads())
+        return
     batch_decode.layer_stack(X, w["norm_w"], eps, w["wqkv"], w["bqkv"], w["wo"], w["bo"], w["ffn_norm_w"], w["w_in"],
                              w["b_in"], w["w_out"], w["b_out"], gated, act_id, up_act_id, pos, cos, sin, k_caches,
                              v_caches, s.n_heads, s.n_kv_heads, s.head_dim, s.scale, s.rope, panels.threads())

@@ -187,33 +187,40 @@ def add_matvec_lanes(w, v, b, x, threads):
             x[k] += b[k]
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def _add_dots(w, QA, X):
-    """X[s] += the dots of W's rows with QA[s]'s records, for every s: per group of 16 rows,
-    eight vectors at a time (each chunk unpacked once for the eight), then four, two, one.
-    Every (row, vector) pair runs the same arithmetic, so a batch row equals the GEMV's."""
-    G, nb, bb = w.shape[0], w.shape[1], w.shape[3]
+@njit(inline="always")
+def group_dots_batch(w, g, QA, X):
+    """X[s, 16g:16g + 16] += rows 16g.. of W dotted with QA[s]'s records, for every s: eight
+    vectors at a time (each chunk unpacked once for the eight), then four, two, one."""
+    nb, bb = w.shape[1], w.shape[3]
     B = QA.shape[0]
     q0 = QA.ctypes.data
     qs = QA.strides[0]
-    for g in prange(G):
-        wg = _group(w, g)
-        s = 0
-        while B - s >= 8:
-            lane_dots8(bb, wg, nb, (q0 + s * qs, q0 + (s + 1) * qs, q0 + (s + 2) * qs, q0 + (s + 3) * qs,
-                                    q0 + (s + 4) * qs, q0 + (s + 5) * qs, q0 + (s + 6) * qs, q0 + (s + 7) * qs),
-                       (_at(X, s, g), _at(X, s + 1, g), _at(X, s + 2, g), _at(X, s + 3, g), _at(X, s + 4, g),
-                        _at(X, s + 5, g), _at(X, s + 6, g), _at(X, s + 7, g)))
-            s += 8
-        if B - s >= 4:
-            lane_dots4(bb, wg, nb, (q0 + s * qs, q0 + (s + 1) * qs, q0 + (s + 2) * qs, q0 + (s + 3) * qs),
-                       (_at(X, s, g), _at(X, s + 1, g), _at(X, s + 2, g), _at(X, s + 3, g)))
-            s += 4
-        if B - s >= 2:
-            lane_dots2(bb, wg, nb, (q0 + s * qs, q0 + (s + 1) * qs), (_at(X, s, g), _at(X, s + 1, g)))
-            s += 2
-        if s < B:
-            lane_dots1(bb, wg, nb, (q0 + s * qs,), (_at(X, s, g),))
+    wg = _group(w, g)
+    s = 0
+    while B - s >= 8:
+        lane_dots8(bb, wg, nb, (q0 + s * qs, q0 + (s + 1) * qs, q0 + (s + 2) * qs, q0 + (s + 3) * qs,
+                                q0 + (s + 4) * qs, q0 + (s + 5) * qs, q0 + (s + 6) * qs, q0 + (s + 7) * qs),
+                   (_at(X, s, g), _at(X, s + 1, g), _at(X, s + 2, g), _at(X, s + 3, g), _at(X, s + 4, g),
+                    _at(X, s + 5, g), _at(X, s + 6, g), _at(X, s + 7, g)))
+        s += 8
+    if B - s >= 4:
+        lane_dots4(bb, wg, nb, (q0 + s * qs, q0 + (s + 1) * qs, q0 + (s + 2) * qs, q0 + (s + 3) * qs),
+                   (_at(X, s, g), _at(X, s + 1, g), _at(X, s + 2, g), _at(X, s + 3, g)))
+        s += 4
+    if B - s >= 2:
+        lane_dots2(bb, wg, nb, (q0 + s * qs, q0 + (s + 1) * qs), (_at(X, s, g), _at(X, s + 1, g)))
+        s += 2
+    if s < B:
+        lane_dots1(bb, wg, nb, (q0 + s * qs,), (_at(X, s, g),))
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _add_dots(w, QA, X):
+    """X[s] += the dots of W's rows with QA[s]'s records, for every s, a group of 16 rows per
+    step (`group_dots_batch`). Every (row, vector) pair runs the same arithmetic, so a batch
+    row equals the GEMV's."""
+    for g in prange(w.shape[0]):
+        group_dots_batch(w, g, QA, X)
 
 
 @njit(fastmath=True, cache=True)

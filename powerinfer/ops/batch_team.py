@@ -37,7 +37,7 @@ def _first_share(sync, phase, rank, size):
     return rank if claim(sync, phase, rank) else next_share(sync, phase, size)
 
 
-@njit(inline="always")
+@njit(fastmath=True, cache=True, nogil=True)  # called, not inlined: one compile for its four uses
 def _groups(w, b, QA, X, lo, hi, zero):
     """X[:, 16g:16g + 16] (zeroed first when `zero`) += W QA[s] (+ b) for groups g in [lo, hi)."""
     for g in range(lo, hi):

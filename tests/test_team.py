@@ -34,7 +34,7 @@ def _chain(phases, items, threads):
             if p > 0:
                 for k in range(items):
                     base += values[p - 1, k]
-            r = rank if team.claim(sync, p, rank) else team.next_share(sync, p, threads)
+            r = team.first_share(sync, p, rank, threads)
             while r >= 0:
                 lo, hi = team.share(items, r, threads)
                 for i in range(lo, hi):

@@ -19,22 +19,12 @@ from numba import njit, prange
 from .block_ir import _quantize_into
 from .cpu import attend_chunk, attention_chunks, merge_chunks, rms_norm, write_kv_head
 from .decode import VALUES_PER_STEP, gated_values
+from .decode_team import _records_len
 from .lane_ir import LANES
 from .lanes import group_dots_batch, record_bytes
-from .team import MAX_RANKS, await_phase, claim, finish, new_sync, next_share, share, taken
+from .team import MAX_RANKS, await_phase, finish, first_share, new_sync, next_share, share, taken
 
 PHASES_PER_LAYER = 9
-
-
-@njit(inline="always")
-def _records_len(cols, bb):
-    P = 256 if bb == 144 or bb == 176 or bb == 210 else 32
-    return cols // P * (72 * (P // 32))
-
-
-@njit(inline="always")
-def _first_share(sync, phase, rank, size):
-    return rank if claim(sync, phase, rank) else next_share(sync, phase, size)
 
 
 @njit(fastmath=True, cache=True, nogil=True)  # called, not inlined: one compile for its four uses
@@ -67,7 +57,7 @@ def _rank_layers(rank, size, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
         if not taken(sync, ph, size):
             if i > 0:
                 await_phase(sync, ph - 1, size)
-            r = _first_share(sync, ph, rank, size)
+            r = first_share(sync, ph, rank, size)
             while r >= 0:
                 lo, hi = share(B, r, size)
                 for s in range(lo, hi):
@@ -78,7 +68,7 @@ def _rank_layers(rank, size, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
         # 1: QKV groups
         if not taken(sync, ph + 1, size):
             await_phase(sync, ph, size)
-            r = _first_share(sync, ph + 1, rank, size)
+            r = first_share(sync, ph + 1, rank, size)
             while r >= 0:
                 lo, hi = share(wqkv[i].shape[0], r, size)
                 _groups(wqkv[i], bqkv[i], QA_qkv, QKV, lo, hi, True)
@@ -87,7 +77,7 @@ def _rank_layers(rank, size, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
         # 2: attention items (row, KV head, chunk)
         if not taken(sync, ph + 2, size):
             await_phase(sync, ph + 1, size)
-            r = _first_share(sync, ph + 2, rank, size)
+            r = first_share(sync, ph + 2, rank, size)
             while r >= 0:
                 lo, hi = share(n_items, r, size)
                 for item in range(lo, hi):
@@ -104,7 +94,7 @@ def _rank_layers(rank, size, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
         # 3: the rows' merges and records for the output projection
         if not taken(sync, ph + 3, size):
             await_phase(sync, ph + 2, size)
-            r = _first_share(sync, ph + 3, rank, size)
+            r = first_share(sync, ph + 3, rank, size)
             while r >= 0:
                 lo, hi = share(B, r, size)
                 for s in range(lo, hi):
@@ -115,7 +105,7 @@ def _rank_layers(rank, size, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
         # 4: output groups, added to X
         if not taken(sync, ph + 4, size):
             await_phase(sync, ph + 3, size)
-            r = _first_share(sync, ph + 4, rank, size)
+            r = first_share(sync, ph + 4, rank, size)
             while r >= 0:
                 lo, hi = share(wo[i].shape[0], r, size)
                 _groups(wo[i], bo[i], QA_o, X, lo, hi, False)
@@ -124,7 +114,7 @@ def _rank_layers(rank, size, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
         # 5: the rows' FFN norms and records
         if not taken(sync, ph + 5, size):
             await_phase(sync, ph + 4, size)
-            r = _first_share(sync, ph + 5, rank, size)
+            r = first_share(sync, ph + 5, rank, size)
             while r >= 0:
                 lo, hi = share(B, r, size)
                 for s in range(lo, hi):
@@ -135,7 +125,7 @@ def _rank_layers(rank, size, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
         # 6: gate/up groups
         if not taken(sync, ph + 6, size):
             await_phase(sync, ph + 5, size)
-            r = _first_share(sync, ph + 6, rank, size)
+            r = first_share(sync, ph + 6, rank, size)
             while r >= 0:
                 lo, hi = share(w_in[i].shape[0], r, size)
                 _groups(w_in[i], b_in[i][:0], QA_in, PRE, lo, hi, True)  # biases: in the values
@@ -144,7 +134,7 @@ def _rank_layers(rank, size, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
         # 7: the rows' neuron values and records for the down projection
         if not taken(sync, ph + 7, size):
             await_phase(sync, ph + 6, size)
-            r = _first_share(sync, ph + 7, rank, size)
+            r = first_share(sync, ph + 7, rank, size)
             while r >= 0:
                 lo, hi = share(B, r, size)
                 for s in range(lo, hi):
@@ -159,7 +149,7 @@ def _rank_layers(rank, size, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
         # 8: down groups, added to X
         if not taken(sync, ph + 8, size):
             await_phase(sync, ph + 7, size)
-            r = _first_share(sync, ph + 8, rank, size)
+            r = first_share(sync, ph + 8, rank, size)
             while r >= 0:
                 lo, hi = share(w_out[i].shape[0], r, size)
                 _groups(w_out[i], b_out[i], QA_d, X, lo, hi, False)

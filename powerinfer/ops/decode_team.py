@@ -25,7 +25,7 @@ from .cpu import attend_chunk, attention_chunks, merge_chunks, rms_norm, write_k
 from .decode import gated_record_block, record_block
 from .lane_ir import LANES, lane_dots1
 from .lanes import record_bytes
-from .team import MAX_RANKS, await_phase, claim, finish, new_sync, next_share, share, taken
+from .team import MAX_RANKS, await_phase, finish, first_share, new_sync, next_share, share, taken
 
 PHASES_PER_LAYER = 5  # QKV rows, attention items, output rows, gate/up record blocks, down rows
 
@@ -60,12 +60,6 @@ def _group_bias(x, b, g):
             x[k] += b[k]
 
 
-@njit(inline="always")
-def _first_share(sync, phase, rank, size):
-    """This rank's own share of the phase if it can claim it, else whatever `next_share` gives."""
-    return rank if claim(sync, phase, rank) else next_share(sync, phase, size)
-
-
 @njit(fastmath=True, cache=True, nogil=True)  # called, not inlined: one compile for its three uses
 def _rows(w, b, qa, x, lo, hi, zero):
     """x[16g:16g + 16] (zeroed first when `zero`) += W v (+ b) for groups g in [lo, hi)."""
@@ -95,7 +89,7 @@ def _rank_layers(rank, size, sync, x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
                 await_phase(sync, ph - 1, size)
             rms_norm(x, norm_w[i], eps, h[rank])
             _quantize_into(h[rank], bb_qkv, qa_qkv[rank])
-            r = _first_share(sync, ph, rank, size)
+            r = first_share(sync, ph, rank, size)
             while r >= 0:
                 lo, hi = share(wqkv[i].shape[0], r, size)
                 _rows(wqkv[i], bqkv[i], qa_qkv[rank], qkv, lo, hi, True)
@@ -104,7 +98,7 @@ def _rank_layers(rank, size, sync, x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
         # attention items (KV head, chunk); the last chunk's item writes the head's key and value
         if not taken(sync, ph + 1, size):
             await_phase(sync, ph, size)
-            r = _first_share(sync, ph + 1, rank, size)
+            r = first_share(sync, ph + 1, rank, size)
             while r >= 0:
                 lo, hi = share(n_items, r, size)
                 for item in range(lo, hi):
@@ -120,7 +114,7 @@ def _rank_layers(rank, size, sync, x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
             await_phase(sync, ph + 1, size)
             merge_chunks(n_chunks, top, total, o, attn[rank], head_dim)
             _quantize_into(attn[rank], bb_o, qa_o[rank])
-            r = _first_share(sync, ph + 2, rank, size)
+            r = first_share(sync, ph + 2, rank, size)
             while r >= 0:
                 lo, hi = share(wo[i].shape[0], r, size)
                 _rows(wo[i], bo[i], qa_o[rank], x, lo, hi, False)
@@ -131,7 +125,7 @@ def _rank_layers(rank, size, sync, x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
             await_phase(sync, ph + 2, size)
             rms_norm(x, ffn_norm_w[i], eps, h[rank])
             _quantize_into(h[rank], bb_in, qa_in[rank])
-            r = _first_share(sync, ph + 3, rank, size)
+            r = first_share(sync, ph + 3, rank, size)
             while r >= 0:
                 lo, hi = share(n_blocks, r, size)
                 for blk in range(lo, hi):
@@ -143,7 +137,7 @@ def _rank_layers(rank, size, sync, x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
         # down projection rows, added to x
         if not taken(sync, ph + 4, size):
             await_phase(sync, ph + 3, size)
-            r = _first_share(sync, ph + 4, rank, size)
+            r = first_share(sync, ph + 4, rank, size)
             while r >= 0:
                 lo, hi = share(w_out[i].shape[0], r, size)
                 _rows(w_out[i], b_out[i], recs, x, lo, hi, False)

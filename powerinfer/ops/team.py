@@ -51,36 +51,45 @@ def _item_pointer(context, builder, arr_t, arr, idx):
     return cgutils.get_item_pointer(context, builder, arr_t, ary, [idx])
 
 
-@intrinsic
-def atomic_add(typingctx, arr, idx, val):
-    """arr[idx] += val atomically (sequentially consistent); returns the old value."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ptr = _item_pointer(context, builder, sig.args[0], args[0], args[1])
-        return builder.atomic_rmw("add", ptr, context.cast(builder, args[2], sig.args[2], types.int64), "seq_cst")
-
-    return types.int64(arr, idx, val), codegen
+def _is_words(arr) -> bool:
+    """Typing time: the 1-D int64 array the team's words live in."""
+    return isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1
 
 
-@intrinsic
-def atomic_or(typingctx, arr, idx, val):
-    """arr[idx] |= val atomically (sequentially consistent); returns the old value."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1):
-        return None
+def _pause(builder) -> None:
+    """Emit the x86 `pause` hint (nothing on other targets)."""
+    if _X86:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
+        builder.call(fn, [])
 
-    def codegen(context, builder, sig, args):
-        ptr = _item_pointer(context, builder, sig.args[0], args[0], args[1])
-        return builder.atomic_rmw("or", ptr, context.cast(builder, args[2], sig.args[2], types.int64), "seq_cst")
 
-    return types.int64(arr, idx, val), codegen
+def _atomic_rmw(op: str, doc: str):
+    """An intrinsic (arr, idx, val) -> old arr[idx], with arr[idx] = arr[idx] `op` val done
+    atomically (sequentially consistent)."""
+
+    @intrinsic
+    def rmw(typingctx, arr, idx, val):
+        if not _is_words(arr):
+            return None
+
+        def codegen(context, builder, sig, args):
+            ptr = _item_pointer(context, builder, sig.args[0], args[0], args[1])
+            return builder.atomic_rmw(op, ptr, context.cast(builder, args[2], sig.args[2], types.int64), "seq_cst")
+
+        return types.int64(arr, idx, val), codegen
+
+    rmw.__doc__ = doc
+    return rmw
+
+
+atomic_add = _atomic_rmw("add", "arr[idx] += val atomically (sequentially consistent); returns the old value.")
+atomic_or = _atomic_rmw("or", "arr[idx] |= val atomically (sequentially consistent); returns the old value.")
 
 
 @intrinsic
 def atomic_load(typingctx, arr, idx):
     """arr[idx], read atomically with acquire ordering (later reads are not moved before it)."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1):
+    if not _is_words(arr):
         return None
 
     def codegen(context, builder, sig, args):
@@ -95,10 +104,7 @@ def spin_pause(typingctx):
     """The x86 `pause` hint inside a spin loop (nothing elsewhere)."""
 
     def codegen(context, builder, sig, args):
-        if _X86:
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
-                                                "llvm.x86.sse2.pause")
-            builder.call(fn, [])
+        _pause(builder)
         return context.get_dummy_value()
 
     return types.void(), codegen
@@ -114,10 +120,8 @@ def _sched_yield(typingctx):
             fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64)])
             asm = ir.InlineAsm(fnty, "syscall", "={rax},{rax},~{rcx},~{r11},~{memory}", side_effect=True)
             builder.call(asm, [ir.Constant(ir.IntType(64), 24)])
-        elif _X86:
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
-                                                "llvm.x86.sse2.pause")
-            builder.call(fn, [])
+        else:
+            _pause(builder)
         return context.get_dummy_value()
 
     return types.void(), codegen
@@ -128,7 +132,7 @@ def _futex(typingctx, arr, idx, op, val, timeout_idx):
     """futex(2) on the low 32 bits of arr[idx] (FUTEX_WAIT with the timespec at
     arr[timeout_idx], or FUTEX_WAKE of `val` waiters), as the raw x86-64 Linux system call
     (202); a `pause` elsewhere (there the waiting ranks yield instead of sleeping)."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1):
+    if not _is_words(arr):
         return None
 
     def codegen(context, builder, sig, args):
@@ -142,10 +146,8 @@ def _futex(typingctx, arr, idx, op, val, timeout_idx):
             op = context.cast(builder, args[2], sig.args[2], types.int64)
             val = context.cast(builder, args[3], sig.args[3], types.int64)
             builder.call(asm, [ir.Constant(i64, 202), word, op, val, ts])
-        elif _X86:
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
-                                                "llvm.x86.sse2.pause")
-            builder.call(fn, [])
+        else:
+            _pause(builder)
         return context.get_dummy_value()
 
     return types.void(arr, idx, op, val, timeout_idx), codegen
@@ -214,6 +216,12 @@ def next_share(sync, phase, size):
             _sleep_or_yield(sync, word, size)
         spins += 1
     return -1
+
+
+@njit(inline="always")
+def first_share(sync, phase, rank, size):
+    """This rank's own share of the phase if it can claim it, else whatever `next_share` gives."""
+    return rank if claim(sync, phase, rank) else next_share(sync, phase, size)
 
 
 @njit(inline="always")

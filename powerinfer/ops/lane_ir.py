@@ -13,9 +13,10 @@ arithmetic whatever the number of vectors.
 
 Integer dots per CPU, all exact, so results do not depend on the CPU: vpdpbusd (AVX-512
 VNNI, 512-bit), pmaddubsw + pmaddwd on 256-bit halves (AVX2), widening multiplies elsewhere.
-Q8_0's quants are stored plus 128 (unsigned) for vpdpbusd, which takes 128 x the block's
-activation sum off in the start value; pmaddubsw would saturate on them, so the AVX2 and
-plain paths turn them back to int8 first.
+Q8_0's quants are stored plus 128 (unsigned) for vpdpbusd; pmaddubsw would saturate on
+them, so the AVX2 and plain paths dot them as int8 and add 128 x the activations' sum back.
+A format's bias (Q4_0's 8, Q8_0's 128) is then taken off in fp32 with the activations'
+32-sum, as Q4_1's offset is (`_small_block` says why).
 
 Formats: Q4_0 (18-byte blocks), Q4_1 (20), Q8_0 (34). A group block (16 rows' block b):
 fp16 d[16], (Q4_1) fp16 m[16], then the quants in chunks of 64 bytes, chunk c holding row

@@ -30,9 +30,10 @@ def test_interleave_round_trips_and_keeps_the_bytes(fmt):
     assert torch.equal(lanes.deinterleave(L), t)
     # row 17's scale d sits at lane 1 of group 1; its first quant bytes in the first chunk
     g = L.numpy()[1, 0].reshape(-1)
-    assert bytes(g[2:4]) == bytes(t.numpy()[17, 0, 0:2])
+    d_at = 208 if fmt == "Q6_K" else 0  # Q6_K's d ends its block
+    assert bytes(g[2:4]) == bytes(t.numpy()[17, 0, d_at : d_at + 2])
     # (first chunk in the group block, first quant byte in the row's block)
-    start, qs = {"Q4_0": (32, 2), "Q4_1": (64, 4), "Q8_0": (32, 2), "Q4_K": (320, 16)}[fmt]
+    start, qs = {"Q4_0": (32, 2), "Q4_1": (64, 4), "Q8_0": (32, 2), "Q4_K": (320, 16), "Q6_K": (288, 0)}[fmt]
     q = t.numpy()[17, 0, qs : qs + 4] ^ (0x80 if fmt == "Q8_0" else 0)
     assert bytes(g[start + 4 : start + 8]) == bytes(q)
 
@@ -40,7 +41,8 @@ def test_interleave_round_trips_and_keeps_the_bytes(fmt):
 def test_only_lanes_formats_and_row_counts_fit():
     assert lanes.fits(quantized(32, 64, "Q4_0"))
     assert not lanes.fits(quantized(40, 64, "Q4_0"))  # rows not a multiple of 16
-    assert lanes.fits(quantized(32, 256, "Q4_K")) and not lanes.fits(quantized(32, 256, "Q6_K"))
+    assert lanes.fits(quantized(32, 256, "Q4_K")) and lanes.fits(quantized(32, 256, "Q6_K"))
+    assert not lanes.fits(quantized(32, 256, "Q5_K")) and not lanes.fits(quantized(32, 64, "Q5_0"))
     assert isinstance(weight_for(quantized(40, 64, "Q8_0")), QuantWeight)
     assert isinstance(weight_for(quantized(32, 64, "Q8_0")), LaneWeight)
     assert isinstance(weight_for(quantized(32, 64, "Q8_0"), kernels=False), QuantWeight)

@@ -21,7 +21,7 @@ from .cpu import attend_chunk, attention_chunks, merge_chunks, rms_norm, write_k
 from .decode import VALUES_PER_STEP, gated_values
 from .decode_team import _records_len
 from .lane_ir import LANES
-from .lanes import group_dots_batch, record_bytes
+from .lanes import block_weights, group_dots_batch, record_bytes
 from .team import MAX_RANKS, await_phase, finish, first_share, new_sync, next_share, share, taken
 
 PHASES_PER_LAYER = 9
@@ -165,7 +165,7 @@ def layer_stack_team(X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in,
     B, d = X.shape
     T = min(max(threads, 1), MAX_RANKS)
     q_dim = n_heads * head_dim
-    n_ff = w_out[0].shape[1] * (256 if w_out[0].shape[3] == 148 else 32)
+    n_ff = w_out[0].shape[1] * block_weights(w_out[0].shape[3])
     chunks = np.empty(B, dtype=np.int64)
     start = np.zeros(B + 1, dtype=np.int64)  # row s's attention items: start[s] .. start[s + 1]
     for s in range(B):

@@ -55,7 +55,8 @@ def per_block(bb: int) -> int:
 
 def record_bytes(bb: int) -> int:
     """Bytes of one activation record (the activations under one weight block): int8 q[P],
-    int32 4-sums[P / 4], fp32 scales[P / 32], fp32 32-sums[P / 32]."""
+    int32 4-sums[P / 4], fp32 scales[P / 32], fp32 32-sums[P / 32]. Q6_K's records hold
+    -32 x each 16 values' sum in the first of its four 4-sums and zeros in the rest."""
     n = per_block(bb) // 32
     return 32 * n + 32 * n + 4 * n + 4 * n
 
@@ -122,15 +123,25 @@ def _quantize_into(v, bb, out):
         d = _div32(amax, np.float32(127.0))
         inv = _div32(np.float32(127.0), amax) if amax > 0 else np.float32(0.0)
         total = 0
+        sub = 0
         for g in range(8):
             gsum = 0
             for j in range(4):
                 q = np.int32(np.rint(_mul32(v[32 * blk + 4 * g + j], inv)))
                 q8[base + 32 * k + 4 * g + j] = q
                 gsum += q
-            # Q6_K's bias (32) taken off in the record: the dot starts from -32 x the 4-sum
-            i32[(base + P) // 4 + 8 * k + g] = gsum * -32 if bb == 210 else gsum
             total += gsum
+            if bb != 210:
+                i32[(base + P) // 4 + 8 * k + g] = gsum
+                continue
+            # Q6_K's bias (32) taken off in the record, and each 16 values' sum in the first of
+            # its four 4-sums (zeros in the others): the lanes kernel starts a 16-weight
+            # sub-block's dot from that one word; the row kernel's lanes add up the same
+            sub += gsum
+            i32[(base + P) // 4 + 8 * k + g] = 0
+            if g % 4 == 3:
+                i32[(base + P) // 4 + 8 * k + g - 3] = sub * -32
+                sub = 0
         f32[(base + P + 32 * n) // 4 + k] = d
         f32[(base + P + 36 * n) // 4 + k] = _mul32(d, np.float32(total))
 

@@ -24,7 +24,7 @@ from .block_ir import _quantize_into
 from .cpu import attend_chunk, attention_chunks, merge_chunks, rms_norm, write_kv_head
 from .decode import gated_record_block, record_block
 from .lane_ir import LANES, lane_dots1
-from .lanes import record_bytes
+from .lanes import block_weights, record_bytes
 from .team import MAX_RANKS, await_phase, finish, first_share, new_sync, next_share, share, taken
 
 PHASES_PER_LAYER = 5  # QKV rows, attention items, output rows, gate/up record blocks, down rows
@@ -154,7 +154,7 @@ def layer_stack_team(x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in,
     T = min(max(threads, 1), MAX_RANKS)
     q_dim = n_heads * head_dim
     n_qkv = wqkv[0].shape[0] * LANES
-    n_ff = w_out[0].shape[1] * (256 if w_out[0].shape[3] == 148 else 32)
+    n_ff = w_out[0].shape[1] * block_weights(w_out[0].shape[3])
     P, rec = record_block(record_bytes(w_out[0]))
     n_blocks = n_ff // P
     n_chunks = attention_chunks(pos, 0)

@@ -25,6 +25,9 @@ Q4_K (a 148 x 16-byte group block per super-block of 256): fp16 d[16], dmin[16],
 sub-blocks' scales as bytes sc[8][16] and mins m[8][16] (unpacked from their 6 bits at
 load), then pair p's 32 quant bytes per row in 8 chunks (low nibbles sub-block 2p, high
 2p + 1); per sub-block one conversion and two multiply-adds (scale, min) for 16 rows.
+Q6_K (210 x 16 bytes): fp16 d[16], the 16 sub-blocks' int8 scales sc[16][16], then the
+rows' ql bytes in 32 chunks and their qh bytes in 16 (`_q6k_block`); a sub-block of 16
+weights costs four dots, one conversion and two multiplies for 16 rows.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from .block_ir import _F32, _FUSE, _I8, _I16, _I32, _c64, _call, _isa, _load, _s
 LANES = 16  # rows per group: one 512-bit vector of int32 / fp32
 # the 4-D array's last axis (a group block's bytes / 16) -> the row format's block bytes:
 # Q4_0, Q4_1, Q8_0 keep theirs; Q4_K (144) takes 148, its 6-bit scales and mins unpacked
-LAST_AXIS = {18: 18, 20: 20, 34: 34, 148: 144}
+LAST_AXIS = {18: 18, 20: 20, 34: 34, 148: 144, 210: 210}
 GROUP_BYTES = {k: 16 * k for k in LAST_AXIS}
 _VF16, _VI16, _VB64 = ir.VectorType(_F32, 16), ir.VectorType(_I32, 16), ir.VectorType(_I8, 64)
 _VB32 = ir.VectorType(_I8, 32)
@@ -168,6 +171,40 @@ def _q4k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: 
                 builder.store(_call(builder, "llvm.fmuladd.v16f32", _VF16, [mn, nsa, total]), acc)
 
 
+def _q6k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: list[ir.Value], isa: str) -> None:
+    """One Q6_K group block into the V accumulators: per 16-weight sub-block j (run k = j // 2
+    of 32 activations), the 16 rows' int32 dots of the 6-bit quants, started from -32 x the
+    16 activations' sum (the record's pooled 4-sum), then acc += (isum * d sc_j) * da_k.
+    Each chunk of 4 quants of 16 rows is put together from a ql chunk's nibbles and a qh
+    chunk's two bits: ql byte 32(k % 2) + l of half h holds weight 128h + 32k' + l's low
+    nibble (k' = k % 4: low nibbles for k' < 2, high ones after), qh byte l its bits 2k'."""
+    d = _half_lanes(builder, gp, 0)
+    mask = ir.Constant(_VB64, [0x30] * 64)
+    for k in range(8):
+        h, kk = divmod(k, 4)
+        for half in range(2):
+            j = 2 * k + half
+            dsc = builder.fmul(builder.sitofp(_load(builder, gp, 32 + 16 * j, ir.VectorType(_I8, 16)), _VF16), d,
+                               flags=_FUSE)  # exact: an fp16 times an int8
+            sums = [_splat(builder, _load(builder, rec, 256 + 32 * k + 16 * half, _I32), LANES) for rec in recs]
+            for c4 in range(4 * half, 4 * half + 4):
+                ql = _load(builder, gp, 288 + 64 * (16 * h + 8 * (kk % 2) + c4), _VB64)
+                qh = _load(builder, gp, 2336 + 64 * (8 * h + c4), _VB64)
+                low = builder.and_(ql, ir.Constant(_VB64, [15] * 64)) if kk < 2 else \
+                    builder.lshr(ql, ir.Constant(_VB64, [4] * 64))
+                shift = 2 * kk  # qh bits shift, shift + 1 to bits 4-5
+                moved = builder.shl(qh, ir.Constant(_VB64, [4 - shift] * 64)) if shift < 4 else (
+                    builder.lshr(qh, ir.Constant(_VB64, [shift - 4] * 64)) if shift > 4 else qh)
+                q = builder.or_(low, builder.and_(moved, mask))
+                for v, rec in enumerate(recs):
+                    a4 = _splat(builder, _load(builder, rec, 32 * k + 4 * c4, _I32), LANES)
+                    sums[v] = _idot16(builder, isa, sums[v], q, builder.bitcast(a4, _VB64), False)
+            for v, (rec, acc) in enumerate(zip(recs, accs)):
+                xa = builder.fmul(builder.sitofp(sums[v], _VF16), dsc, flags=_FUSE)
+                da = _splat(builder, _load(builder, rec, 512 + 4 * k, _F32), LANES)
+                builder.store(_call(builder, "llvm.fmuladd.v16f32", _VF16, [xa, da, builder.load(acc)]), acc)
+
+
 def _lane_dots(bb: int, V: int):
     """An intrinsic (group, nb, acts, outs): for the 16 rows of the group block array at
     address `group` (nb group blocks of GROUP_BYTES[bb]) and V activation records (addresses
@@ -188,9 +225,11 @@ def _lane_dots(bb: int, V: int):
             with cgutils.for_range(builder, nb_v) as loop:
                 b = loop.index
                 gp = builder.gep(gbase, [builder.mul(b, _c64(G))])
-                recs = [builder.gep(ap, [builder.mul(b, _c64(576 if bb == 148 else 72))]) for ap in act_ptrs]
+                recs = [builder.gep(ap, [builder.mul(b, _c64(576 if bb in (148, 210) else 72))]) for ap in act_ptrs]
                 if bb == 148:
                     _q4k_block(builder, gp, recs, accs, isa)
+                elif bb == 210:
+                    _q6k_block(builder, gp, recs, accs, isa)
                 else:
                     _small_block(builder, gp, recs, accs, bb, isa)
             for j in range(V):
@@ -208,7 +247,7 @@ def _dispatch(V: int):
     """A numba function (bb, group, nb, acts, outs) running the V-vector lane dots of
     format bb (the array's last axis): a chain of branches, each intrinsic compiled for its
     format alone."""
-    d18, d20, d34, d148 = (_lane_dots(bb, V) for bb in LAST_AXIS)
+    d18, d20, d34, d148, d210 = (_lane_dots(bb, V) for bb in LAST_AXIS)
 
     @njit(inline="always")
     def dots(bb, group, nb, acts, outs):
@@ -218,8 +257,10 @@ def _dispatch(V: int):
             d20(group, nb, acts, outs)
         elif bb == 34:
             d34(group, nb, acts, outs)
-        else:
+        elif bb == 148:
             d148(group, nb, acts, outs)
+        else:
+            d210(group, nb, acts, outs)
 
     return dots
 

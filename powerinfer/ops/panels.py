@@ -29,7 +29,7 @@ from numba.extending import overload
 from .cpu import add_matvec
 from .memory import huge_empty
 from .numba_half import widen
-from .lanes import add_matvec_lanes
+from .lanes import add_matvec_lanes, block_weights
 from .quant import add_matvec_q
 
 # Panel widths are multiples of 16 (one AVX-512 vector of fp32) that divide the row, at
@@ -219,7 +219,7 @@ def _in_features(w):
     if isinstance(w, types.BaseTuple):
         return lambda w: in_features(w[0])
     if w.ndim == 4:
-        return lambda w: w.shape[1] * (256 if w.shape[3] == 148 else 32)  # Q4_K lanes: blocks of 256
+        return lambda w: w.shape[1] * block_weights(w.shape[3])  # K-quant lanes: blocks of 256
     if w.ndim == 3 and w.dtype == types.uint8:
         return lambda w: w.shape[1] * (32 if w.shape[2] < 144 else 256)  # K-quants: blocks of 256
     if w.ndim == 3:

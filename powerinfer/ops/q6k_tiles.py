@@ -1,5 +1,8 @@
 """Q6_K prefill: 16 rows at a time unpacked to int8 lanes, then integer dots for many tokens.
 
+Since Q6_K has a lanes layout (ops/lanes.py, as fast for a prefill), this serves only the
+Q6_K matrices left in row blocks (rows not a multiple of 16).
+
 Why: Q6_K (Q4_K_M files keep their output, attn_v and half their ffn_down matrices in it)
 has the costliest unpacking of the K-quants (four low bits, two high bits from another
 plane, an int8 scale per 16 weights), and the row kernel (`block_ir`) re-does it for every

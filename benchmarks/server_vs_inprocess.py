@@ -32,9 +32,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stream_once(client, prompt: str, tokens: int) -> tuple[float, float, int, list[float]]:
-    """(time to first text, first to last text, text chunks, gaps between chunks) of one
-    streamed greedy completion."""
+def stream_once(client, prompt: str, tokens: int) -> tuple[float, float, int, list[float], float, float]:
+    """(time to first text, first to last text, text chunks, gaps between chunks, clock at
+    the first and the last text) of one streamed greedy completion."""
     t0 = time.perf_counter()
     times = []
     for ch in client.completions.create(model="m", prompt=prompt, max_tokens=tokens, temperature=0, stream=True):
@@ -42,8 +42,8 @@ def stream_once(client, prompt: str, tokens: int) -> tuple[float, float, int, li
             times.append(time.perf_counter())
     gaps = [b - a for a, b in zip(times, times[1:])]
     if not times:  # the model ended at once
-        return float("nan"), 0.0, 0, []
-    return times[0] - t0, times[-1] - times[0], len(times), gaps
+        return float("nan"), 0.0, 0, [], t0, t0
+    return times[0] - t0, times[-1] - times[0], len(times), gaps, times[0], times[-1]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -98,9 +98,11 @@ def main() -> None:
         print(f"| server, 1 streaming client | {s_ttft * 1e3:.0f} | {s_decode:.1f} |")
         print(f"\nserver / in-process decode: {s_decode / statistics.median(decode):.2f}x; TTFT difference "
               f"{(s_ttft - statistics.median(ttft)) * 1e3:+.0f} ms")
-        print("\n| concurrent clients | aggregate tok/s | vs 1 client | p50 gap ms | p95 gap ms | wall s | "
-              "clients' CPU s |\n|---|---|---|---|---|---|---|")
-        one = None
+        # aggregate: every text chunk over the wall time (prefills included); decode: the chunks
+        # after each client's first over the span from the first client's first chunk to the end
+        print("\n| concurrent clients | aggregate tok/s | vs 1 client | decode tok/s | vs 1 client | p50 gap ms | "
+              "p95 gap ms | wall s | clients' CPU s |\n|---|---|---|---|---|---|---|---|---|")
+        one = one_decode = None
         for n in (1, 2, 4, 8):
             results = [None] * n
 
@@ -115,10 +117,13 @@ def main() -> None:
                 t.join()
             wall, client_cpu = time.perf_counter() - t0, time.process_time() - cpu0
             total = sum(r[2] for r in results) / wall
-            one = one or total
+            span = max(r[5] for r in results) - min(r[4] for r in results)
+            decode = sum(max(r[2] - 1, 0) for r in results) / span if span > 0 else float("nan")
+            one, one_decode = one or total, one_decode or decode
             gaps = [g for r in results for g in r[3]]
-            print(f"| {n} | {total:.1f} | {total / one:.2f}x | {percentile(gaps, 0.5) * 1e3:.0f} | "
-                  f"{percentile(gaps, 0.95) * 1e3:.0f} | {wall:.1f} | {client_cpu:.1f} |")
+            print(f"| {n} | {total:.1f} | {total / one:.2f}x | {decode:.1f} | {decode / one_decode:.2f}x | "
+                  f"{percentile(gaps, 0.5) * 1e3:.0f} | {percentile(gaps, 0.95) * 1e3:.0f} | {wall:.1f} | "
+                  f"{client_cpu:.1f} |")
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -29,6 +29,7 @@ from numba.extending import overload
 from .cpu import add_matvec
 from .memory import huge_empty
 from .numba_half import widen
+from .sparse_cpu import _prefetch_l3 as _prefetch_l2
 from .lanes import add_matvec_lanes, block_weights
 from .quant import add_matvec_q
 
@@ -79,6 +80,22 @@ def rows_from_panels(wp: torch.Tensor, dtype: torch.dtype = torch.float32) -> to
     return rows
 
 
+# Before a row pair, each stream prefetches its row this many rows ahead in the panel: the
+# hardware prefetcher left the bus idle between the short runs (a panel row is 1 KiB).
+# Measured, alternating processes (Intel Xeon, 2 threads): SmolLM2 F16 decode 93-105 ->
+# 150-159 tok/s (8 rows ahead 139-156, 32 rows 134-138); a 7B-shaped F16 8-layer file from
+# memory 5.9 -> 7.4 tok/s.
+PREFETCH_ROWS = 16
+
+
+@njit(inline="always")
+def _prefetch_span(wp, blk, r):
+    """Prefetch panel blk's row r (a hint: rows past the end fault nothing)."""
+    base = wp.ctypes.data + blk * wp.strides[0] + r * wp.strides[1]
+    for off in range(0, wp.shape[2] * wp.itemsize, 64):
+        _prefetch_l2(base + off)
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def add_matvec_panels(wp, v, b, x, threads):
     """x += W v (+ b) for W in panels (nb, out, P), on `threads` threads (numba's current
@@ -95,6 +112,8 @@ def add_matvec_panels(wp, v, b, x, threads):
             off = blk * p
             for i in range(lo, lo + h):
                 k = i + h
+                _prefetch_span(wp, blk, i + PREFETCH_ROWS)
+                _prefetch_span(wp, blk, k + PREFETCH_ROWS)
                 a0 = np.float32(0.0)
                 a1 = np.float32(0.0)
                 for c in range(p):

@@ -148,22 +148,24 @@ def _q4k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: 
     acc += (dmin m_j) * (-sa_j) (sa_j: the activations' fp32 32-sum)."""
     d, dmin = _half_lanes(builder, gp, 0), _half_lanes(builder, gp, 32)
     vb16 = ir.VectorType(_I8, 16)
+    # as in `_small_block`, two partial sums per vector up to four vectors; at eight, one
+    # (8 chains already; two spilled registers: 8 quants + 16 sums + 8 accumulators)
+    nsum = 2 if len(recs) <= 4 else 1
+    zero = ir.Constant(_VI16, [0] * LANES)
     for p in range(4):
-        raw = [_load(builder, gp, 320 + 512 * p + 64 * c, _VB64) for c in range(8)]
         for half in range(2):
             j = 2 * p + half
             sc = builder.fmul(builder.uitofp(_load(builder, gp, 64 + 16 * j, vb16), _VF16), d, flags=_FUSE)
             mn = builder.fmul(builder.uitofp(_load(builder, gp, 192 + 16 * j, vb16), _VF16), dmin, flags=_FUSE)
-            qs = [builder.lshr(q, ir.Constant(_VB64, [4] * 64)) if half else builder.and_(q, ir.Constant(_VB64, [15] * 64))
-                  for q in raw]
-            zero = ir.Constant(_VI16, [0] * LANES)
-            sums = [[zero, zero] for _ in recs]  # as in `_small_block`: 2V chains of 4
-            for c, q in enumerate(qs):
+            sums = [[zero] * nsum for _ in recs]
+            for c in range(8):
+                q = _load(builder, gp, 320 + 512 * p + 64 * c, _VB64)  # loaded per half: fewer live registers
+                q = builder.lshr(q, ir.Constant(_VB64, [4] * 64)) if half else builder.and_(q, ir.Constant(_VB64, [15] * 64))
                 for v, rec in enumerate(recs):
                     a4 = _splat(builder, _load(builder, rec, 32 * j + 4 * c, _I32), LANES)
-                    sums[v][c % 2] = _idot16(builder, isa, sums[v][c % 2], q, builder.bitcast(a4, _VB64), False)
-            for (s0, s1), rec, acc in zip(sums, recs, accs):
-                isum = builder.add(s0, s1)
+                    sums[v][c % nsum] = _idot16(builder, isa, sums[v][c % nsum], q, builder.bitcast(a4, _VB64), False)
+            for parts, rec, acc in zip(sums, recs, accs):
+                isum = parts[0] if nsum == 1 else builder.add(parts[0], parts[1])
                 da = _splat(builder, _load(builder, rec, 512 + 4 * j, _F32), LANES)
                 nsa = _splat(builder, builder.fneg(_load(builder, rec, 544 + 4 * j, _F32)), LANES)
                 xa = builder.fmul(builder.sitofp(isum, _VF16), da, flags=_FUSE)

@@ -173,6 +173,12 @@ def _q4k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: 
                 builder.store(_call(builder, "llvm.fmuladd.v16f32", _VF16, [mn, nsa, total]), acc)
 
 
+def _opaque_zero(builder: ir.IRBuilder) -> ir.Value:
+    """An i64 0 the optimizer cannot see through (an empty inline asm passing it on)."""
+    i64 = ir.IntType(64)
+    return builder.call(ir.InlineAsm(ir.FunctionType(i64, [i64]), "", "=r,0"), [ir.Constant(i64, 0)])
+
+
 def _q6k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: list[ir.Value], isa: str) -> None:
     """One Q6_K group block into the V accumulators: per 16-weight sub-block j (run k = j // 2
     of 32 activations), the 16 rows' int32 dots of the 6-bit quants, started from -32 x the
@@ -189,9 +195,13 @@ def _q6k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: 
             dsc = builder.fmul(builder.sitofp(_load(builder, gp, 32 + 16 * j, ir.VectorType(_I8, 16)), _VF16), d,
                                flags=_FUSE)  # exact: an fp16 times an int8
             sums = [_splat(builder, _load(builder, rec, 256 + 32 * k + 16 * half, _I32), LANES) for rec in recs]
+            # the sub-block's chunks from an address LLVM cannot equate with another
+            # sub-block's: it would keep one load for the four runs sharing a chunk and spill
+            # what it unpacked early (163 spills a block at eight vectors)
+            gq = builder.gep(gp, [_opaque_zero(builder)])
             for c4 in range(4 * half, 4 * half + 4):
-                ql = _load(builder, gp, 288 + 64 * (16 * h + 8 * (kk % 2) + c4), _VB64)
-                qh = _load(builder, gp, 2336 + 64 * (8 * h + c4), _VB64)
+                ql = _load(builder, gq, 288 + 64 * (16 * h + 8 * (kk % 2) + c4), _VB64)
+                qh = _load(builder, gq, 2336 + 64 * (8 * h + c4), _VB64)
                 low = builder.and_(ql, ir.Constant(_VB64, [15] * 64)) if kk < 2 else \
                     builder.lshr(ql, ir.Constant(_VB64, [4] * 64))
                 shift = 2 * kk  # qh bits shift, shift + 1 to bits 4-5

@@ -142,3 +142,26 @@ def test_linear_on_lanes_decode_batch_and_prompt(fmt):
     assert torch.equal(lin(X), one)
     r = torch.randn(20, 48)
     torch.testing.assert_close(lin(X, residual=r), one + r)
+
+
+def test_q6k_records_pool_each_sixteen_values_bias_into_one_word():
+    """Q6_K's lane dots start each 16-weight sub-block from one record word: -32 x the sum of
+    its 16 quantized activations, the other three 4-sums zero (the row kernel adds them all)."""
+    v = np.random.default_rng(7).standard_normal(512).astype(np.float32)
+    rec = block_ir.quantize_acts(v, 210).reshape(2, 576)  # two super-blocks of 256
+    for b in range(2):
+        q = rec[b, :256].view(np.int8).astype(np.int64)
+        sums = rec[b, 256:512].view(np.int32).reshape(16, 4)  # per 16 values: four 4-sums
+        assert np.array_equal(sums[:, 0], -32 * q.reshape(16, 16).sum(axis=1))
+        assert not sums[:, 1:].any()
+    other = block_ir.quantize_acts(v, 144).reshape(2, 576)  # other formats: plain 4-sums
+    q = other[0, :256].view(np.int8).astype(np.int64)
+    assert np.array_equal(other[0, 256:512].view(np.int32), q.reshape(64, 4).sum(axis=1))
+
+
+def test_a_q6k_matrix_is_read_as_lanes_by_the_dense_engine():
+    t = quantized(32, 256, "Q6_K", seed=2)
+    w = weight_for(t)
+    assert isinstance(w, LaneWeight) and w.quant_format == "Q6_K"
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(w.matmul(x), acts(x) @ quant.dequantize(t).T, atol=2e-3, rtol=1e-4)

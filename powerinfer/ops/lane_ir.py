@@ -148,8 +148,8 @@ def _q4k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: 
     acc += (dmin m_j) * (-sa_j) (sa_j: the activations' fp32 32-sum)."""
     d, dmin = _half_lanes(builder, gp, 0), _half_lanes(builder, gp, 32)
     vb16 = ir.VectorType(_I8, 16)
-    # as in `_small_block`, two partial sums per vector up to four vectors; at eight, one
-    # (8 chains already; two spilled registers: 8 quants + 16 sums + 8 accumulators)
+    # as in `_small_block`, two partial sums per vector up to four vectors; at eight, one:
+    # eight chains are enough, and 8 quants + 16 sums + 8 accumulators spilled registers
     nsum = 2 if len(recs) <= 4 else 1
     zero = ir.Constant(_VI16, [0] * LANES)
     for p in range(4):
@@ -221,7 +221,7 @@ def _q6k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: 
 # The hardware prefetcher alone left the memory bus idle while a block was computed: a
 # 7B-shaped 4096 x 4096 matrix streamed from memory, 2 threads, Intel Xeon: Q4_0 one vector
 # 0.46 -> 0.30 ms, eight 0.77 -> 0.45; Q6_K 0.57 -> 0.48 and 0.93 -> 0.74 (4-20 KiB ahead
-# alike; docs/BENCHMARKS.md, "Lane prefetch").
+# alike; docs/BENCHMARKS.md, "Quantized GEMV").
 PREFETCH_BYTES = 8192
 
 

@@ -21,23 +21,10 @@ from .cpu import attend_chunk, attention_chunks, merge_chunks, rms_norm, write_k
 from .decode import VALUES_PER_STEP, gated_values
 from .decode_team import _records_len
 from .lane_ir import LANES
-from .lanes import block_weights, group_dots_batch, record_bytes
+from .lanes import add_groups, block_weights, record_bytes
 from .team import MAX_RANKS, await_phase, finish, first_share, new_sync, next_share, share, taken
 
 PHASES_PER_LAYER = 9
-
-
-@njit(fastmath=True, cache=True, nogil=True)  # called, not inlined: one compile for its four uses
-def _groups(w, b, QA, X, lo, hi, zero):
-    """X[:, 16g:16g + 16] (zeroed first when `zero`) += W QA[s] (+ b) for groups g in [lo, hi)."""
-    for g in range(lo, hi):
-        if zero:
-            X[:, g * LANES:(g + 1) * LANES] = 0.0
-        group_dots_batch(w, g, QA, X)
-        if b.shape[0] > 0:
-            for s in range(X.shape[0]):
-                for k in range(g * LANES, (g + 1) * LANES):
-                    X[s, k] += b[k]
 
 
 @njit(fastmath=True, cache=True, nogil=True, error_model="numpy")
@@ -71,7 +58,7 @@ def _rank_layers(rank, size, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
             r = first_share(sync, ph + 1, rank, size)
             while r >= 0:
                 lo, hi = share(wqkv[i].shape[0], r, size)
-                _groups(wqkv[i], bqkv[i], QA_qkv, QKV, lo, hi, True)
+                add_groups(wqkv[i], bqkv[i], QA_qkv, QKV, lo, hi, True)
                 finish(sync, ph + 1, size)
                 r = next_share(sync, ph + 1, size)
         # 2: attention items (row, KV head, chunk)
@@ -108,7 +95,7 @@ def _rank_layers(rank, size, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
             r = first_share(sync, ph + 4, rank, size)
             while r >= 0:
                 lo, hi = share(wo[i].shape[0], r, size)
-                _groups(wo[i], bo[i], QA_o, X, lo, hi, False)
+                add_groups(wo[i], bo[i], QA_o, X, lo, hi, False)
                 finish(sync, ph + 4, size)
                 r = next_share(sync, ph + 4, size)
         # 5: the rows' FFN norms and records
@@ -128,7 +115,7 @@ def _rank_layers(rank, size, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
             r = first_share(sync, ph + 6, rank, size)
             while r >= 0:
                 lo, hi = share(w_in[i].shape[0], r, size)
-                _groups(w_in[i], b_in[i][:0], QA_in, PRE, lo, hi, True)  # biases: in the values
+                add_groups(w_in[i], b_in[i][:0], QA_in, PRE, lo, hi, True)  # biases: in the values
                 finish(sync, ph + 6, size)
                 r = next_share(sync, ph + 6, size)
         # 7: the rows' neuron values and records for the down projection
@@ -152,7 +139,7 @@ def _rank_layers(rank, size, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
             r = first_share(sync, ph + 8, rank, size)
             while r >= 0:
                 lo, hi = share(w_out[i].shape[0], r, size)
-                _groups(w_out[i], b_out[i], QA_d, X, lo, hi, False)
+                add_groups(w_out[i], b_out[i], QA_d, X, lo, hi, False)
                 finish(sync, ph + 8, size)
                 r = next_share(sync, ph + 8, size)
 

@@ -11,8 +11,8 @@ steps (the norms, the activations' int8 records, the softmax merge) run on every
 its own buffer instead of as a phase of their own; a KV head's key and value are written by
 the item that attends its last chunk.
 
-Covers the common case: gated FFN, every matrix in lanes (Q4_0, Q4_1, Q8_0, Q4_K re-laid 16
-rows at a time); `runs_as_team` says when, and other layers keep `layer_stack`.
+Covers the common case: gated FFN, every matrix in lanes (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K re-laid
+16 rows at a time); `runs_as_team` says when, and other layers keep `layer_stack`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from numba import njit, prange, types
 from .block_ir import _quantize_into
 from .cpu import attend_chunk, attention_chunks, merge_chunks, rms_norm, write_kv_head
 from .decode import gated_record_block, record_block
-from .lane_ir import LANES, lane_dots1
-from .lanes import block_weights, record_bytes
+from .lane_ir import LANES
+from .lanes import add_groups, block_weights, record_bytes
 from .team import MAX_RANKS, await_phase, finish, first_share, new_sync, next_share, share, taken
 
 PHASES_PER_LAYER = 5  # QKV rows, attention items, output rows, gate/up record blocks, down rows
@@ -47,27 +47,10 @@ def _records_len(cols, bb):
 
 
 @njit(inline="always")
-def _group_dots(w, qa, x, g):
-    """x[16g:16g + 16] += rows 16g.. of W (lanes) times v (as records qa)."""
-    lane_dots1(w.shape[3], w.ctypes.data + g * w.strides[0], w.shape[1], (qa.ctypes.data,),
-               (x.ctypes.data + 4 * LANES * g,))
-
-
-@njit(inline="always")
-def _group_bias(x, b, g):
-    if b.shape[0] > 0:
-        for k in range(g * LANES, (g + 1) * LANES):
-            x[k] += b[k]
-
-
-@njit(fastmath=True, cache=True, nogil=True)  # called, not inlined: one compile for its three uses
 def _rows(w, b, qa, x, lo, hi, zero):
-    """x[16g:16g + 16] (zeroed first when `zero`) += W v (+ b) for groups g in [lo, hi)."""
-    for g in range(lo, hi):
-        if zero:
-            x[g * LANES:(g + 1) * LANES] = 0.0
-        _group_dots(w, qa, x, g)
-        _group_bias(x, b, g)
+    """x[16g:16g + 16] (zeroed first when `zero`) += W v (+ b) for groups g in [lo, hi): the
+    batch helper on one-row views (a row's dots are the GEMV's)."""
+    add_groups(w, b, qa.reshape(1, qa.shape[0]), x.reshape(1, x.shape[0]), lo, hi, zero)
 
 
 @njit(fastmath=True, cache=True, nogil=True, error_model="numpy")

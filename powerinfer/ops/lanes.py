@@ -253,6 +253,20 @@ def group_dots_batch(w, g, QA, X):
         lane_dots1(bb, wg, nb, (q0 + s * qs,), (_at(X, s, g),))
 
 
+@njit(fastmath=True, cache=True, nogil=True)  # called, not inlined: one compile for the team kernels' uses
+def add_groups(w, b, QA, X, lo, hi, zero):
+    """X[:, 16g:16g + 16] (zeroed first when `zero`) += W QA[s] (+ b) for groups g in [lo, hi),
+    every row s of the records QA (one row: a single token's GEMV, the same dots)."""
+    for g in range(lo, hi):
+        if zero:
+            X[:, g * LANES:(g + 1) * LANES] = 0.0
+        group_dots_batch(w, g, QA, X)
+        if b.shape[0] > 0:
+            for s in range(X.shape[0]):
+                for k in range(g * LANES, (g + 1) * LANES):
+                    X[s, k] += b[k]
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def _add_dots(w, QA, X):
     """X[s] += the dots of W's rows with QA[s]'s records, for every s, a group of 16 rows per

@@ -225,6 +225,47 @@ def test_a_short_prompt_prefills_as_its_tokens_decoded_one_by_one(tmp_path, smol
     assert not batch.short_prefill_fits(model, 1, model.new_cache(64))
 
 
+@pytest.mark.parametrize("source", ["tiny_llama", "smollm2_native", "tiny_llama_per_layer"])
+def test_prompts_ride_in_a_batch_step_as_alone(tmp_path, smollm2_path, source):
+    """New sequences' short prompts run as rows of the decoding sequences' step (batch_step):
+    each prompt's last logits and cache equal its `forward` alone, each decoding row equals
+    its token decoded alone, to the bit; the next (pure decode, team where it applies) step
+    too. Through the stack (one call) and the per-layer kernels (caches without blocks)."""
+    from powerinfer.models import batch
+
+    path = str(build_tiny("llama", tmp_path)) if source.startswith("tiny") else smollm2_path
+    model = powerinfer.load(path, dtype="native").model
+    vocab = model.args.vocab_size
+    rng = np.random.default_rng(3)
+    old = [rng.integers(3, vocab, n).tolist() for n in (4, 9)]  # decoding
+    new = [rng.integers(3, vocab, n).tolist() for n in (batch.SHORT_PREFILL_MAX, 1, 6)]  # joining
+    feeds = rng.integers(3, vocab, (len(old) + len(new), 2)).tolist()
+
+    def fresh(prompt=None):
+        c = model.new_cache(40)
+        if source.endswith("per_layer"):
+            c.k_all_np = c.v_all_np = None
+        if prompt:
+            model.forward(torch.tensor(prompt), c)
+        return c
+
+    caches = [fresh(p) for p in old] + [fresh() for _ in new]
+    assert all(batch.can_ride(model, len(p), c) for p, c in zip(new, caches[len(old):]))
+    step1 = batch.batch_step(model, [[f[0]] for f in feeds[:len(old)]] + new, caches)
+    step2 = model.decode([f[1] for f in feeds], caches)
+    for s, prompt in enumerate(old + new):
+        alone = fresh(prompt if s < len(old) else None)
+        first = model.forward(torch.tensor([feeds[s][0]] if s < len(old) else prompt), alone)
+        second = model.forward(torch.tensor([feeds[s][1]]), alone)
+        assert torch.equal(step1[s], first), (s, (step1[s] - first).abs().max())
+        assert torch.equal(step2[s], second), (s, (step2[s] - second).abs().max())
+        assert caches[s].length == alone.length
+        assert all(np.array_equal(a, b) for a, b in zip(caches[s].k_np + caches[s].v_np, alone.k_np + alone.v_np))
+    too_long = rng.integers(3, vocab, batch.SHORT_PREFILL_MAX + 1).tolist()
+    with pytest.raises(powerinfer.PowerInferError, match="cannot run as rows"):
+        batch.batch_step(model, [[1], too_long], [fresh([5]), fresh()])
+
+
 def test_decode_step_refuses_shared_or_full_caches(smollm2_path):
     model = powerinfer.load(smollm2_path).model
     c = model.new_cache(4)
@@ -294,6 +335,32 @@ def test_requests_joining_and_leaving_get_their_solo_output(lm):
         engine.close()
     for i, g in enumerate(got):
         assert (g.text, g.finish) == solo_text(lm, prompts[i], lengths[i], GREEDY, stops[i]), i
+
+
+def test_short_prompts_join_the_decode_pass(lm, monkeypatch):
+    """Requests admitted together with short prompts run them as rows of one batched pass (no
+    prefill of their own: `forward` is never called), each still gets its solo output, and
+    every step after the first decodes all of them."""
+    tok = lm.tokenizer
+    prompts = [tok.encode(p) for p in ["Hello there", "The capital of France is", "1, 2, 3,", "A"]]
+    solo = [solo_text(lm, p, 6, GREEDY) for p in prompts]
+    calls = []
+    forward = lm.model.forward
+    monkeypatch.setattr(lm.model, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    engine = BatchEngine(lm.model, tok, max_batch=4, own_thread=False)
+    got = [Collector() for _ in prompts]
+    for p, g in zip(prompts, got):
+        engine.submit(p, 6, GREEDY, None, g)
+    loop = threading.Thread(target=engine.run)
+    loop.start()
+    try:
+        assert all(g.done.wait(120) for g in got)
+    finally:
+        engine.close()
+        loop.join(30)
+    assert not calls
+    assert (engine.steps, engine.batch_tokens) == (6, 24)
+    assert [(g.text, g.finish) for g in got] == solo
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(lm):

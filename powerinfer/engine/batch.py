@@ -1,13 +1,15 @@
 """The serving loop: one engine thread owns the model and runs every request's generation,
 decoding all active sequences together in one batched step.
 
-Each step: admit waiting requests up to `max_batch`; run one prefill chunk (at most
-`prefill_chunk` prompt tokens, so a long prompt delays the others' next token by one chunk,
-not by its whole prefill); then one decode step for every sequence that has a token to
-feed (`models/batch.decode_step`, each weight read once for the batch). Finished and
-cancelled sequences leave at the step boundary. Each sequence has its own KV cache, sampler
-(and seed) and text stream, and decode_step's rows equal single-token decoding, so a
-request's output does not depend on what else runs with it.
+Each step: admit waiting requests up to `max_batch`; start their prompts, then run one
+batched pass (`models/batch.batch_step`, each weight read once for the step) over one token
+of every sequence that is decoding plus the whole prompt of each newly admitted sequence
+whose prompt is short (a few rows sharing its cache: admission costs no extra pass over
+the weights). Longer prompts run their own prefill, at most `prefill_chunk` tokens per step
+(so a long prompt delays the others' next token by one chunk, not by its whole prefill).
+Finished and cancelled sequences leave at the step boundary. Each sequence has its own KV
+cache, sampler (and seed) and text stream, and a batch's rows equal the same tokens run
+alone, so a request's output does not depend on what else runs with it.
 
 Results reach the caller through the request's `emit` callback, called on the engine thread:
 a `GenerationResponse` per token (finish_reason set on the last), an Exception if the
@@ -29,7 +31,7 @@ import torch
 
 from ..errors import NonFiniteError
 from ..models.base import Model
-from ..models.batch import decode_step, release
+from ..models.batch import batch_step, can_ride, decode_step, release
 from ..models.cache import KVCache
 from ..tokenizer import Tokenizer
 from .generate import GenerationResponse, TextStream, check_context
@@ -151,28 +153,42 @@ class BatchEngine:
         for seq in [s for s in self._active if s.cancel.is_set()]:
             self._finish(seq)
         budget = self.prefill_chunk
+        riders: list[Sequence] = []  # short prompts run as rows of this step's decode pass
         for seq in [s for s in self._active if s.prefilled < len(s.prompt)]:
             if budget == 0:
                 break
-            budget -= self._prefill(seq, budget)
+            self._new_cache(seq)
+            rest = len(seq.prompt) - seq.prefilled
+            if seq.max_tokens > 0 and rest <= budget and can_ride(self.model, rest, seq.cache):
+                riders.append(seq)
+                budget -= rest
+            else:
+                budget -= self._prefill(seq, budget)
         ready = [s for s in self._active if s.pending is not None]
-        if ready:
-            logits = decode_step(self.model, [s.pending for s in ready], [s.cache for s in ready])
+        if ready or riders:
+            tokens = [[s.pending] for s in ready] + [s.prompt[s.prefilled:] for s in riders]
+            logits = batch_step(self.model, tokens, [s.cache for s in ready + riders])
             self.steps += 1
-            self.batch_tokens += len(ready)
+            self.batch_tokens += len(ready) + len(riders)
             finite = finite_rows(logits)  # one check for the batch
-            for seq, row, ok in zip(ready, logits, finite):
+            for seq in riders:
+                seq.prefilled = len(seq.prompt)
+            for seq, row, ok in zip(ready + riders, logits, finite):
                 self._sample(seq, row, ok)
         if not self._active:
             release(self.model)  # the finished sequences' caches can go
 
-    def _prefill(self, seq: Sequence, budget: int) -> int:
-        """Run up to `budget` more prompt tokens of `seq`; sample its first token when the
-        prompt is done. Returns the tokens run."""
+    def _new_cache(self, seq: Sequence) -> None:
+        """Give `seq` its KV cache and token history when it starts."""
         if seq.cache is None:
             seq.cache = self.model.new_cache(len(seq.prompt) + seq.max_tokens)
             seq.seen = torch.empty(len(seq.prompt) + seq.max_tokens, dtype=torch.long)
             seq.seen[: len(seq.prompt)] = torch.tensor(seq.prompt)
+
+    def _prefill(self, seq: Sequence, budget: int) -> int:
+        """Run up to `budget` more prompt tokens of `seq`; sample its first token when the
+        prompt is done. Returns the tokens run."""
+        self._new_cache(seq)
         if seq.max_tokens == 0:
             seq.prefilled = len(seq.prompt)
             self._finish(seq, seq.text.end())

@@ -25,43 +25,71 @@ from .cache import KVCache
 from .ffn import DenseFFN
 
 
-@torch.inference_mode()
 def decode_step(model: Model, tokens: list[int], caches: list[KVCache]) -> torch.Tensor:
     """Logits (B, vocab) of tokens[b] appended to caches[b], for every b; advances each cache."""
-    B = len(tokens)
-    if B == 0 or len(caches) != B:
-        raise BadArgumentError(f"decode_step needs one cache per token, got {B} tokens and {len(caches)} caches")
-    if len({id(c) for c in caches}) != B:
-        raise BadArgumentError("decode_step: each sequence needs its own cache")
-    for c in caches:
-        if c.length + 1 > c.max_len:
-            raise ValueError(f"cache holds {c.max_len} positions, asked for {c.length + 1}")
-    ids = torch.tensor(tokens, dtype=torch.long)
-    if B == 1:
-        return model.forward(ids, caches[0])[None]
-    pos = [c.length for c in caches]
-    x = torch.cat([model.embed_tokens(ids[b:b + 1], pos[b]) for b in range(B)]).contiguous()
+    if len(tokens) != len(caches):
+        raise BadArgumentError(f"decode_step needs one cache per token, got {len(tokens)} tokens and {len(caches)} "
+                               "caches")
+    return batch_step(model, [[t] for t in tokens], caches)
+
+
+def can_ride(model: Model, tokens: int, cache: KVCache) -> bool:
+    """Whether a prompt (rest) of `tokens` tokens can run as rows of a `batch_step` with the
+    same result as running it alone: one token always (a decode row), a few only where the
+    model's own `forward` would run them as rows too (`prefill_short`)."""
+    return tokens == 1 or (model.short_prefill and short_prefill_fits(model, tokens, cache))
+
+
+@torch.inference_mode()
+def batch_step(model: Model, tokens: list[list[int]], caches: list[KVCache]) -> torch.Tensor:
+    """Logits (S, vocab) after the last of tokens[s] appended to caches[s], for every sequence
+    s; advances each cache. Every token is one row of one batched pass, so each weight is read
+    once for the whole step: a decode step is one token per sequence, and the prompts of newly
+    admitted sequences ride along as several rows sharing their cache (where `can_ride`), so
+    their prefill costs no extra pass over the weights. Row results equal each sequence run
+    alone (see the module docstring)."""
+    S = len(tokens)
+    if S == 0 or len(caches) != S:
+        raise BadArgumentError(f"batch_step needs one cache per sequence, got {S} sequences and {len(caches)} caches")
+    if len({id(c) for c in caches}) != S:
+        raise BadArgumentError("batch_step: each sequence needs its own cache")
+    for toks, c in zip(tokens, caches):
+        if not toks:
+            raise BadArgumentError("batch_step: a sequence without tokens")
+        if c.length + len(toks) > c.max_len:
+            raise ValueError(f"cache holds {c.max_len} positions, asked for {c.length + len(toks)}")
+        if len(toks) > 1 and S > 1 and not can_ride(model, len(toks), c):
+            raise BadArgumentError(f"batch_step: {len(toks)} tokens of one sequence cannot run as rows of this model's "
+                                   "batch (prefill them alone)")
+    if S == 1:
+        return model.forward(torch.tensor(tokens[0], dtype=torch.long), caches[0])[None]
+    pos = [c.length + j for toks, c in zip(tokens, caches) for j in range(len(toks))]
+    row_caches = [c for toks, c in zip(tokens, caches) for _ in toks]
+    last = np.cumsum([len(t) for t in tokens]) - 1  # each sequence's last row
+    ids = torch.tensor([t for toks in tokens for t in toks], dtype=torch.long)
+    x = torch.cat([model.embed_tokens(ids[b:b + 1], pos[b]) for b in range(len(pos))]).contiguous()
     stack = model._layer_stack() if all(c.k_all_np is not None for c in caches) else None
     if stack is not None:  # every layer in one call (the per-layer path's kernels, in numba)
         shape = model._attn_shape
         cos, sin = model.rope_cos_sin(max(pos) + 1) if shape.rope else (_EMPTY_TABLE, _EMPTY_TABLE)
+        # the team kernel writes a row's keys while other rows attend: rows sharing a cache (a
+        # prompt's) need the per-layer kernels, which write every row's before any row reads
+        team = stack.team and len(pos) == S
         api.layer_stack_batch(x.numpy(), stack.lists, model.args.norm_eps, stack.gated, stack.act_id,
                               stack.up_act_id, np.asarray(pos, dtype=np.int64), cos, sin,
-                              *_layer_caches(model, caches, 0), shape, team=stack.team)
-        for c, p in zip(caches, pos):
-            c.length = p + 1
-        return _logits(model, x)
-    for i, layer in enumerate(model.layers):
-        if layer.fused_decode and all(c.k_np[i] is not None for c in caches):
-            _fused_layer(model, i, layer, x, pos, *_layer_caches(model, caches, i), i)
-        elif layer.attn.qkv.batch_kernels and layer.attn.o.batch_kernels:
-            x = _layer(model, i, layer, x, caches, pos)
-        else:  # weights on the GPU tier: one sequence at a time, as one token
-            for b in range(B):
-                x[b:b + 1] = model.block(i, layer, x[b:b + 1].clone(), caches[b], pos[b])
-    for c, p in zip(caches, pos):
-        c.length = p + 1
-    return _logits(model, x)
+                              *_layer_caches(model, row_caches, 0), shape, team=team)
+    else:
+        for i, layer in enumerate(model.layers):
+            if layer.fused_decode and all(c.k_np[i] is not None for c in caches):
+                _fused_layer(model, i, layer, x, pos, *_layer_caches(model, row_caches, i), i)
+            elif layer.attn.qkv.batch_kernels and layer.attn.o.batch_kernels:
+                x = _layer(model, i, layer, x, row_caches, pos)
+            else:  # weights on the GPU tier: one row at a time, in order (a prompt's rows are causal)
+                for b in range(len(pos)):
+                    x[b:b + 1] = model.block(i, layer, x[b:b + 1].clone(), row_caches[b], pos[b])
+    for toks, c in zip(tokens, caches):
+        c.length += len(toks)
+    return _logits(model, x[torch.from_numpy(last)] if len(pos) > S else x)
 
 
 def short_prefill_fits(model: Model, tokens: int, cache: KVCache) -> bool:

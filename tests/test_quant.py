@@ -119,6 +119,8 @@ def test_dequantize_rows_and_tiled_matmul_match_reference(fmt, monkeypatch):
     torch.testing.assert_close(quant.matmul(t, x, b), acts(x) @ dense.t() + b, atol=2e-4, rtol=1e-4)
     ids = torch.tensor([0, 299, 5, 5])
     torch.testing.assert_close(quant.embedding(t, ids), dense[ids])
+    many = torch.randint(0, 300, (quant.GATHER_PARALLEL_ROWS + 3,))  # the parallel lookup
+    torch.testing.assert_close(quant.embedding(t, many), dense[many])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -321,13 +321,28 @@ def tiles(t: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
 
 def embedding(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of quantized W as fp32 (T, cols): an embedding lookup."""
-    rows = ids.tolist()
+    rows = ids.reshape(-1).to(torch.int64).numpy()
     _, cols = shape_of(t)
     out = np.empty((len(rows), cols), dtype=np.float32)
-    w = t.numpy()
-    for k, r in enumerate(rows):
-        dequantize_rows(w, r, out[k : k + 1])
+    (_gather_rows if len(rows) < GATHER_PARALLEL_ROWS else _gather_rows_parallel)(t.numpy(), rows, out)
     return torch.from_numpy(out)
+
+
+# Below this many rows a lookup runs on the calling thread: a decode step's one row took a
+# parallel region, whose workers a server's HTTP thread may be holding a core from.
+GATHER_PARALLEL_ROWS = 64
+
+
+@njit(fastmath=True, cache=True)
+def _gather_rows(w, rows, out):
+    for k in range(len(rows)):
+        dequantize_row(w, rows[k], out[k])
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _gather_rows_parallel(w, rows, out):
+    for k in prange(len(rows)):
+        dequantize_row(w, rows[k], out[k])
 
 
 class QuantParts:

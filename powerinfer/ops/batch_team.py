@@ -18,7 +18,7 @@ from numba import njit, prange
 
 from .block_ir import _quantize_into
 from .cpu import attend_chunk, attention_chunks, merge_chunks, rms_norm, write_kv_head
-from .decode import VALUES_PER_STEP, gated_values
+from .decode import gated_row
 from .decode_team import _records_len
 from .lane_ir import LANES
 from .lanes import add_groups, block_weights, record_bytes
@@ -37,7 +37,6 @@ def _rank_layers(rank, size, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
     bb_qkv, bb_o, bb_in, bb_d = record_bytes(wqkv[0]), record_bytes(wo[0]), record_bytes(w_in[0]), \
         record_bytes(w_out[0])
     n_items = start[B]
-    steps = (n_ff + VALUES_PER_STEP - 1) // VALUES_PER_STEP
     for i in range(len(wqkv)):
         ph = PHASES_PER_LAYER * i
         # 0: the rows' norms and records for QKV (after the last layer's down groups)
@@ -124,12 +123,9 @@ def _rank_layers(rank, size, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
             r = first_share(sync, ph + 7, rank, size)
             while r >= 0:
                 lo, hi = share(B, r, size)
+                b_in_i = b_in[i]
                 for s in range(lo, hi):
-                    for step in range(steps):
-                        i0 = step * VALUES_PER_STEP
-                        i1 = min(i0 + VALUES_PER_STEP, n_ff)
-                        gated_values(PRE[s, i0:i1], PRE[s, n_ff + i0:n_ff + i1], HID[s, i0:i1], i0, n_ff, b_in[i],
-                                     act_id, up_act_id, 0, np.float32(0.0))
+                    gated_row(PRE, HID, s, n_ff, b_in_i, act_id, up_act_id)
                     _quantize_into(HID[s], bb_d, QA_d[s])
                 finish(sync, ph + 7, size)
                 r = next_share(sync, ph + 7, size)

@@ -1,4 +1,5 @@
-"""One decode step for several sequences, each after its own KV cache (a server's batch).
+"""One decode step for several sequences, each after its own KV cache (a server's batch),
+with the short prompts of sequences just admitted riding along as rows (`batch_step`).
 
 Decode is memory-bound: the step's cost is reading the weights, so B sequences should read
 them once. Llama-shaped layers (those that decode through the fused kernels) run the batch
@@ -7,9 +8,10 @@ call, each over its own cache, then the output projection and FFN for all. Other
 the CPU (windows, soft-caps, post-norms, q/k norms, parallel or post-norm blocks) take the
 per-op path of `Model.block` with the projections and the dense FFN over the batch, norms
 and attention per sequence. Layers on the GPU tier run per sequence; the sparse FFNs read
-each sequence's own predicted rows (or, where it pays, their union: engine/hybrid.py). A sequence's result does not depend on its batch: row b of
-`decode_step` equals `Model.forward` on that sequence alone, bit for bit for float weights
-and to float rounding for GGUF blocks (ops/batch_decode.py says why).
+each sequence's own predicted rows (or, where it pays, their union: engine/hybrid.py). A
+sequence's result does not depend on its batch: row b of `decode_step` equals
+`Model.forward` on that sequence alone, bit for bit for float weights and to float rounding
+for GGUF blocks (ops/batch_decode.py says why).
 """
 
 from __future__ import annotations

@@ -105,9 +105,7 @@ def _strict(op: str):
 _div32, _mul32 = _strict("fdiv"), _strict("fmul")
 
 
-# no reference counting (_nrt=False: it allocates nothing): its three views of `out` took and
-# dropped references, atomics on a count that a team's threads share, ~5% of a SmolLM2 token
-@njit(_nrt=False)
+@njit
 def _quantize_into(v, bb, out):
     """v's records for weight blocks of bb bytes into out (uint8, blocks * record bytes).
     Its float steps are strict IEEE in every caller (`_strict`): a value on a rounding

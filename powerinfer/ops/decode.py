@@ -155,40 +155,21 @@ def record_block(bb_out):
 def gated_record_block(blk, qa, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, bb_out, pre, hidden,
                        out):
     """Record block `blk` of `_gated_records`: its P neurons' gate and up lane dots with the
-    records qa into pre[blk] (zeroed here), their values into hidden, their records into out."""
+    records qa into pre[blk] (zeroed), their values into hidden, their records into out."""
     bb, nb = w_in.shape[3], w_in.shape[1]
     P, rec = record_block(bb_out)
     per = P // LANES  # gate groups (and up groups) per record block
     up0 = n_ff // LANES  # the first group of up rows
     gs = w_in.strides[0]
     a0 = qa.ctypes.data
-    for k in range(P):  # the lane dots add to it
-        pre[blk, 0, k] = 0.0
-        pre[blk, 1, k] = 0.0
     for j in range(per):
         g = blk * per + j
         dst = pre.ctypes.data + 4 * (2 * P * blk + LANES * j)
         lane_dots1(bb, w_in.ctypes.data + g * gs, nb, (a0,), (dst,))
         lane_dots1(bb, w_in.ctypes.data + (up0 + g) * gs, nb, (a0,), (dst + 4 * P,))
-    gated_block_values(pre, blk, hidden, n_ff, b_in, act_id, up_act_id, criterion, threshold)
+    gated_values(pre[blk, 0], pre[blk, 1], hidden[blk * P:(blk + 1) * P], blk * P, n_ff, b_in, act_id,
+                 up_act_id, criterion, threshold)
     _quantize_into(hidden[blk * P:(blk + 1) * P], bb_out, out[blk * rec:(blk + 1) * rec])
-
-
-@njit(fastmath=True, cache=True, error_model="numpy")  # vmath: loops of exp32 vectorize
-def gated_block_values(pre, blk, hidden, n_ff, b_in, act_id, up_act_id, criterion, threshold):
-    """hidden[P blk + k] = `_gated_value`(pre[blk, 0, k], pre[blk, 1, k]) for the P neurons of
-    record block `blk`: `gated_row`'s indexing (no slices: their reference counts are atomics
-    the team's threads share), its fast path for the common FFN."""
-    P = pre.shape[2]
-    i0 = blk * P
-    if b_in.shape[0] == 0 and criterion == 0 and up_act_id < 0 and act_id == 0:
-        for k in range(P):
-            v = pre[blk, 0, k]
-            hidden[i0 + k] = v / (np.float32(1.0) + exp32(-v)) * pre[blk, 1, k]
-    else:
-        for k in range(P):
-            hidden[i0 + k] = _gated_value(pre[blk, 0, k], pre[blk, 1, k], i0 + k, n_ff, b_in, act_id, up_act_id,
-                                          criterion, threshold)
 
 
 @njit(parallel=True, fastmath=True, cache=True, error_model="numpy")

@@ -109,12 +109,12 @@ def _rank_layers(rank, size, sync, x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
             rms_norm(x, ffn_norm_w[i], eps, h[rank])
             _quantize_into(h[rank], bb_in, qa_in[rank])
             r = first_share(sync, ph + 3, rank, size)
-            qa, w_in_i, b_in_i = qa_in[rank], w_in[i], b_in[i]  # taken once: each is a shared count's atomic
             while r >= 0:
                 lo, hi = share(n_blocks, r, size)
                 for blk in range(lo, hi):
-                    gated_record_block(blk, qa, w_in_i, b_in_i, n_ff, act_id, up_act_id, 0, np.float32(0.0), bb_out,
-                                       pre, hidden, recs)
+                    pre[blk] = 0.0
+                    gated_record_block(blk, qa_in[rank], w_in[i], b_in[i], n_ff, act_id, up_act_id, 0,
+                                       np.float32(0.0), bb_out, pre, hidden, recs)
                 finish(sync, ph + 3, size)
                 r = next_share(sync, ph + 3, size)
         # down projection rows, added to x

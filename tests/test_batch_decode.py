@@ -363,6 +363,20 @@ def test_short_prompts_join_the_decode_pass(lm, monkeypatch):
     assert [(g.text, g.finish) for g in got] == solo
 
 
+def test_the_warm_up_runs_a_riding_prompt(lm, monkeypatch):
+    """The server's warm-up also runs a step where a short prompt rides along (the per-layer
+    kernels, not the team's), so the first joining request does not stall every stream while
+    they compile."""
+    from powerinfer.engine import batch as engine_batch
+
+    seen = []
+    step = engine_batch.batch_step
+    monkeypatch.setattr(engine_batch, "batch_step", lambda m, tokens, caches: seen.append(
+        [len(t) for t in tokens]) or step(m, tokens, caches))
+    engine_batch.warm_up_batch(lm.model)
+    assert [1, 2] in seen
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(lm):
     tok = lm.tokenizer
     sampling = SamplingParams(temperature=0.9, top_p=0.9, seed=1234)

@@ -191,9 +191,8 @@ class BatchEngine:
             seq.seen[: len(seq.prompt)] = torch.tensor(seq.prompt)
 
     def _prefill(self, seq: Sequence, budget: int) -> int:
-        """Run up to `budget` more prompt tokens of `seq`; sample its first token when the
-        prompt is done. Returns the tokens run."""
-        self._new_cache(seq)
+        """Run up to `budget` more prompt tokens of `seq` (its cache made by `_step`); sample
+        its first token when the prompt is done. Returns the tokens run."""
         if seq.max_tokens == 0:
             seq.prefilled = len(seq.prompt)
             self._finish(seq, seq.text.end())

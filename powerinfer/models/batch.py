@@ -29,9 +29,6 @@ from .ffn import DenseFFN
 
 def decode_step(model: Model, tokens: list[int], caches: list[KVCache]) -> torch.Tensor:
     """Logits (B, vocab) of tokens[b] appended to caches[b], for every b; advances each cache."""
-    if len(tokens) != len(caches):
-        raise BadArgumentError(f"decode_step needs one cache per token, got {len(tokens)} tokens and {len(caches)} "
-                               "caches")
     return batch_step(model, [[t] for t in tokens], caches)
 
 

@@ -83,14 +83,20 @@ def _gated_hidden(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, 
 
 
 @njit(inline="always", fastmath=True)
+def _silu_times(v, u):
+    """silu(v) * u as the vectorizing loops compute it: one formula for `gated_values` and
+    `gated_row`, so that the per-layer and team batch paths give the same bits."""
+    return v / (np.float32(1.0) + exp32(-v)) * u
+
+
+@njit(inline="always", fastmath=True)
 def gated_values(g, u, out, i0, n_ff, b_in, act_id, up_act_id, criterion, threshold):
     """out[k] = `_gated_value`(g[k], u[k]) for neurons i0 + k: the same values, in a loop
     that vectorizes (with error_model="numpy") for the common FFN: SiLU, no bias, no
     criterion, nothing on up."""
     if b_in.shape[0] == 0 and criterion == 0 and up_act_id < 0 and act_id == 0:
         for k in range(out.shape[0]):
-            v = g[k]
-            out[k] = v / (np.float32(1.0) + exp32(-v)) * u[k]
+            out[k] = _silu_times(g[k], u[k])
     else:
         for k in range(out.shape[0]):
             out[k] = _gated_value(g[k], u[k], i0 + k, n_ff, b_in, act_id, up_act_id, criterion, threshold)
@@ -106,8 +112,7 @@ def gated_row(pre, hidden, s, n_ff, b_in, act_id, up_act_id):
     the loop on its own."""
     if b_in.shape[0] == 0 and up_act_id < 0 and act_id == 0:
         for k in range(n_ff):
-            v = pre[s, k]
-            hidden[s, k] = v / (np.float32(1.0) + exp32(-v)) * pre[s, n_ff + k]
+            hidden[s, k] = _silu_times(pre[s, k], pre[s, n_ff + k])
     else:
         for k in range(n_ff):
             hidden[s, k] = _gated_value(pre[s, k], pre[s, n_ff + k], k, n_ff, b_in, act_id, up_act_id, 0,

@@ -44,7 +44,7 @@ def _decode(model, tokens: torch.Tensor, prompt: int) -> torch.Tensor:
     return torch.stack([model.forward(tokens[i:i + 1], cache) for i in range(prompt, len(tokens))])
 
 
-def test_fp16_cache_on_the_default_model(smollm2_path):
+def test_fp16_cache_on_the_default_model(smollm2_path, monkeypatch):
     """Half the bytes; one-call decode equals the per-layer path, a batch step equals each
     sequence's solo decode; and the model scores text about as well as with fp32 keys."""
     lm = load(smollm2_path, kv_dtype="fp16")
@@ -69,13 +69,22 @@ def test_fp16_cache_on_the_default_model(smollm2_path):
     ids = torch.tensor(lm.tokenizer.encode("The quick brown fox jumps over the lazy dog. In computer science, a hash "
                                            "table is a data structure that implements an associative array."))
 
-    def nll(kv_dtype: torch.dtype) -> float:
+    def logits(kv_dtype: torch.dtype) -> torch.Tensor:
         model.kv_dtype = kv_dtype
-        logits = model.forward(ids, model.new_cache(len(ids)), all_logits=True)  # prefill reads the cache's values
-        return float(-torch.log_softmax(logits[:-1], -1).gather(1, ids[1:, None]).mean())
+        return model.forward(ids, model.new_cache(len(ids)), all_logits=True)  # prefill reads the cache's values
 
-    fp32, fp16 = nll(torch.float32), nll(torch.float16)
-    assert abs(fp16 - fp32) < 0.01 * fp32
+    def nll(scores: torch.Tensor) -> float:
+        return float(-torch.log_softmax(scores[:-1], -1).gather(1, ids[1:, None]).mean())
+
+    fp16 = logits(torch.float16)
+    store = KVCache.update
+    monkeypatch.setattr(KVCache, "update", lambda self, layer, start, k, v:
+                        store(self, layer, start, k.half().float(), v.half().float()))
+    assert torch.equal(fp16, logits(torch.float32))  # prefill over the fp16 cache = fp32 over rounded K, V
+    monkeypatch.undo()
+    # The score stays close; on this 135M model the rounding alone moves a logit by up to ~1.5 (the
+    # fp32 rounded-value run above agrees with the fp16 cache bit for bit), so the bound is loose.
+    assert abs(nll(fp16) - nll(logits(torch.float32))) < 0.04 * nll(fp16)
 
 
 def test_kv_dtype_refused_in_one_line():

@@ -18,6 +18,31 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+if os.environ.get("POWERINFER_COMPILE_LOG"):  # diagnostics: which numba kernels a cold run compiles, and for how long
+    import json as _json
+    import time as _time
+
+    from numba.core import event as _numba_event
+
+    class _CompileLog(_numba_event.Listener):
+        """Append one JSON line per numba compilation (a cache miss) to $POWERINFER_COMPILE_LOG."""
+
+        def __init__(self):
+            self._starts: list[float] = []  # compilations nest (a kernel compiles the functions it calls)
+
+        def on_start(self, event):
+            self._starts.append(_time.perf_counter())
+
+        def on_end(self, event):
+            fn, seconds = event.data["dispatcher"].py_func, _time.perf_counter() - self._starts.pop()
+            with open(os.environ["POWERINFER_COMPILE_LOG"], "a") as f:
+                f.write(_json.dumps({"kernel": f"{fn.__module__}.{fn.__qualname__}", "pid": os.getpid(),
+                                     "seconds": round(seconds, 2),
+                                     "nested": len(self._starts)}) + "\n")
+
+    _numba_event.register("numba:compile", _CompileLog())
+
+
 @pytest.fixture(scope="session", autouse=True)
 def isolated_cache(tmp_path_factory):
     """Keep the tests' cache (tokenizers, hashes) out of the user's ~/.cache."""

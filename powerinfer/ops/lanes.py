@@ -24,10 +24,13 @@ import torch
 from numba import njit, prange
 
 from . import quant
-from .block_ir import quantize_acts, quantize_acts_rows
+from .block_ir import _isa, quantize_acts, quantize_acts_rows
 from .lane_ir import LAST_AXIS, LANES, lane_dots1, lane_dots2, lane_dots4, lane_dots8, quant_start
 
 FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+# Vectors per pass over a group of rows in a batch: AVX2 has 16 vector registers, and the
+# accumulators of 16 rows x 8 vectors alone overflow them (docs/BENCHMARKS.md "Batched decode").
+MAX_VECTORS = 8 if _isa() == "vnni" else 4
 
 
 def fits(t: torch.Tensor) -> bool:
@@ -229,24 +232,25 @@ def add_matvec_lanes(w, v, b, x, threads):
 @njit(inline="always")
 def group_dots_batch(w, g, QA, X):
     """X[s, 16g:16g + 16] += rows 16g.. of W dotted with QA[s]'s records, for every s: eight
-    vectors at a time (each chunk unpacked once for the eight), then four, two, one."""
+    vectors at a time (each chunk unpacked once for the eight; four on AVX2, MAX_VECTORS), then
+    four, two, one. Each (row, vector) dot is the same arithmetic whatever the grouping."""
     nb, bb = w.shape[1], w.shape[3]
     B = QA.shape[0]
     q0 = QA.ctypes.data
     qs = QA.strides[0]
     wg = _group(w, g)
     s = 0
-    while B - s >= 8:
+    while MAX_VECTORS >= 8 and B - s >= 8:
         lane_dots8(bb, wg, nb, (q0 + s * qs, q0 + (s + 1) * qs, q0 + (s + 2) * qs, q0 + (s + 3) * qs,
                                 q0 + (s + 4) * qs, q0 + (s + 5) * qs, q0 + (s + 6) * qs, q0 + (s + 7) * qs),
                    (_at(X, s, g), _at(X, s + 1, g), _at(X, s + 2, g), _at(X, s + 3, g), _at(X, s + 4, g),
                     _at(X, s + 5, g), _at(X, s + 6, g), _at(X, s + 7, g)))
         s += 8
-    if B - s >= 4:
+    while MAX_VECTORS >= 4 and B - s >= 4:
         lane_dots4(bb, wg, nb, (q0 + s * qs, q0 + (s + 1) * qs, q0 + (s + 2) * qs, q0 + (s + 3) * qs),
                    (_at(X, s, g), _at(X, s + 1, g), _at(X, s + 2, g), _at(X, s + 3, g)))
         s += 4
-    if B - s >= 2:
+    while B - s >= 2:
         lane_dots2(bb, wg, nb, (q0 + s * qs, q0 + (s + 1) * qs), (_at(X, s, g), _at(X, s + 1, g)))
         s += 2
     if s < B:

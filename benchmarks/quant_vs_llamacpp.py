@@ -70,14 +70,14 @@ def one_generation(path: str, dtype: str, threads: int, prompt: int, gen: int) -
     return {"rss": peak_rss(), "kv_bytes": kv}
 
 
-def peak_rss() -> int:
-    """This process's peak RSS in bytes: VmHWM, which starts afresh at exec (getrusage's
-    ru_maxrss keeps the parent's high-water mark across fork and exec)."""
-    with open("/proc/self/status") as f:
+def peak_rss(pid: int | str = "self") -> int:
+    """A live process's peak RSS in bytes (this one by default): VmHWM, which starts afresh at
+    exec (getrusage's ru_maxrss keeps the parent's high-water mark across fork and exec)."""
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    raise RuntimeError(f"no VmHWM in /proc/{pid}/status")
 
 
 def llama_bench(path: str, threads: int, prompt: int, gen: int) -> dict:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import socket
 import statistics
 import subprocess
@@ -21,6 +20,7 @@ import time
 import httpx
 
 import powerinfer
+from quant_vs_llamacpp import peak_rss  # benchmarks/, beside this script
 
 # each runs the full 64 tokens greedily on the default model (no early EOS to skew the rates)
 PROMPTS = ["Explain why the sky is blue.", "What is a binary search tree?", "Describe the water cycle.",
@@ -46,16 +46,6 @@ def stream_once(client, prompt: str, tokens: int) -> tuple[float, float, int, li
     if not times:  # the model ended at once
         return float("nan"), 0.0, 0, [], t0, t0
     return times[0] - t0, times[-1] - times[0], len(times), gaps, times[0], times[-1]
-
-
-def peak_rss_mib(pid: int) -> str:
-    """A live process's peak resident set (Linux /proc VmHWM), as text."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-        return f"{kib / 1024:.0f} MiB"
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -140,8 +130,8 @@ def main() -> None:
                   f"{percentile(gaps, 0.5) * 1e3:.0f} | {percentile(gaps, 0.95) * 1e3:.0f} | "
                   f"{min(p50s):.0f}-{max(p50s):.0f} / {min(p95s):.0f}-{max(p95s):.0f} | {wall:.1f} | "
                   f"{client_cpu:.1f} |")
-        print(f"\npeak RSS: server {peak_rss_mib(proc.pid)}, this process (in-process engine and the clients) "
-              f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+        print(f"\npeak RSS: server {peak_rss(proc.pid) / 2**20:.0f} MiB, this process (in-process engine and the "
+              f"clients) {peak_rss() / 2**20:.0f} MiB")
     finally:
         proc.terminate()
         proc.wait(timeout=30)

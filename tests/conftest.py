@@ -38,7 +38,7 @@ if os.environ.get("POWERINFER_COMPILE_LOG"):  # diagnostics: which numba kernels
             with open(os.environ["POWERINFER_COMPILE_LOG"], "a") as f:
                 f.write(_json.dumps({"kernel": f"{fn.__module__}.{fn.__qualname__}", "pid": os.getpid(),
                                      "seconds": round(seconds, 2),
-                                     "nested": len(self._starts)}) + "\n")
+                                     "nested": len(self._starts), "args": str(event.data.get("args"))}) + "\n")
 
     _numba_event.register("numba:compile", _CompileLog())
 

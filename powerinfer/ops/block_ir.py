@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import cfunc, njit, prange, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
+
+from .symbols import compile_lock, export, symbol_call
 
 _F32, _I8, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _VF8, _VI8 = ir.VectorType(_F32, 8), ir.VectorType(_I32, 8)
@@ -458,6 +460,54 @@ def _dispatch(R: int, V: int):
 _rows4, _vecs4, _vecs2, _one = _dispatch(4, 1), _dispatch(1, 4), _dispatch(1, 2), _dispatch(1, 1)
 _tile, _vecs8 = _dispatch(4, 4), _dispatch(1, 8)
 
+# The dots as C functions compiled once, which every kernel calls by symbol (ops/symbols.py):
+# (fmt, rows, nb, acts, out), the tuples as pointers to their addresses, the R x V results
+# written to out.
+_I64P = types.CPointer(types.int64)
+_C_SIG = types.void(types.int64, _I64P, types.int64, _I64P, types.CPointer(types.float32))
+
+with compile_lock("block_dots"):
+    @cfunc(_C_SIG, cache=True)
+    def _c_one(fmt, rows, nb, acts, out):
+        out[0] = _one(fmt, (rows[0],), nb, (acts[0],))[0]
+
+    @cfunc(_C_SIG, cache=True)
+    def _c_rows4(fmt, rows, nb, acts, out):
+        r = _rows4(fmt, (rows[0], rows[1], rows[2], rows[3]), nb, (acts[0],))
+        for k in range(4):
+            out[k] = r[k]
+
+    @cfunc(_C_SIG, cache=True)
+    def _c_vecs2(fmt, rows, nb, acts, out):
+        r = _vecs2(fmt, (rows[0],), nb, (acts[0], acts[1]))
+        for k in range(2):
+            out[k] = r[k]
+
+    @cfunc(_C_SIG, cache=True)
+    def _c_vecs4(fmt, rows, nb, acts, out):
+        r = _vecs4(fmt, (rows[0],), nb, (acts[0], acts[1], acts[2], acts[3]))
+        for k in range(4):
+            out[k] = r[k]
+
+    @cfunc(_C_SIG, cache=True)
+    def _c_vecs8(fmt, rows, nb, acts, out):
+        r = _vecs8(fmt, (rows[0],), nb, (acts[0], acts[1], acts[2], acts[3], acts[4], acts[5], acts[6], acts[7]))
+        for k in range(8):
+            out[k] = r[k]
+
+    @cfunc(_C_SIG, cache=True)
+    def _c_tile(fmt, rows, nb, acts, out):
+        r = _tile(fmt, (rows[0], rows[1], rows[2], rows[3]), nb, (acts[0], acts[1], acts[2], acts[3]))
+        for k in range(16):
+            out[k] = r[k]
+
+for _name, _c in (("one", _c_one), ("rows4", _c_rows4), ("vecs2", _c_vecs2), ("vecs4", _c_vecs4),
+                  ("vecs8", _c_vecs8), ("tile", _c_tile)):
+    export(f"powerinfer_block_{_name}", _c)
+_call_one, _call_rows4, _call_vecs2, _call_vecs4, _call_vecs8, _call_tile = (
+    symbol_call(f"powerinfer_block_{name}", n) for name, n in (("one", 1), ("rows4", 4), ("vecs2", 2), ("vecs4", 4),
+                                                                ("vecs8", 8), ("tile", 16)))
+
 
 @njit(inline="always")
 def _row_address(w, r):
@@ -477,14 +527,14 @@ def dot_rows4(w, r0, r1, r2, r3, qa):
     (`quantize_acts(v, w.shape[2])`)."""
     _check_blocks(w)
     rows = (_row_address(w, r0), _row_address(w, r1), _row_address(w, r2), _row_address(w, r3))
-    return _rows4(w.shape[2], rows, w.shape[1], (qa.ctypes.data,))
+    return _call_rows4((w.shape[2], rows, w.shape[1], (qa.ctypes.data,)))
 
 
 @njit(fastmath=True)
 def dot_row(w, r, qa):
     """Row r of quantized w dotted with activations qa (`quantize_acts`)."""
     _check_blocks(w)
-    return _one(w.shape[2], (_row_address(w, r),), w.shape[1], (qa.ctypes.data,))[0]
+    return _call_one((w.shape[2], (_row_address(w, r),), w.shape[1], (qa.ctypes.data,)))[0]
 
 
 @njit(fastmath=True)
@@ -493,7 +543,7 @@ def dot_vecs4(w, r, QA, s0, s1, s2, s3):
     block unpacked once for the four."""
     _check_blocks(w)
     acts = (_row_address(QA, s0), _row_address(QA, s1), _row_address(QA, s2), _row_address(QA, s3))
-    return _vecs4(w.shape[2], (_row_address(w, r),), w.shape[1], acts)
+    return _call_vecs4((w.shape[2], (_row_address(w, r),), w.shape[1], acts))
 
 
 @njit(fastmath=True)
@@ -504,7 +554,7 @@ def dot_tile(w, r, QA, s):
     _check_blocks(w)
     rows = (_row_address(w, r), _row_address(w, r + 1), _row_address(w, r + 2), _row_address(w, r + 3))
     acts = (_row_address(QA, s), _row_address(QA, s + 1), _row_address(QA, s + 2), _row_address(QA, s + 3))
-    return _tile(w.shape[2], rows, w.shape[1], acts)
+    return _call_tile((w.shape[2], rows, w.shape[1], acts))
 
 
 @njit(fastmath=True)
@@ -514,11 +564,11 @@ def dot_vecs8(w, r, QA, s):
     _check_blocks(w)
     acts = (_row_address(QA, s), _row_address(QA, s + 1), _row_address(QA, s + 2), _row_address(QA, s + 3),
             _row_address(QA, s + 4), _row_address(QA, s + 5), _row_address(QA, s + 6), _row_address(QA, s + 7))
-    return _vecs8(w.shape[2], (_row_address(w, r),), w.shape[1], acts)
+    return _call_vecs8((w.shape[2], (_row_address(w, r),), w.shape[1], acts))
 
 
 @njit(fastmath=True)
 def dot_vecs2(w, r, QA, s0, s1):
     """Row r of quantized w dotted with rows s0, s1 of QA: `dot_vecs4` for two."""
     _check_blocks(w)
-    return _vecs2(w.shape[2], (_row_address(w, r),), w.shape[1], (_row_address(QA, s0), _row_address(QA, s1)))
+    return _call_vecs2((w.shape[2], (_row_address(w, r),), w.shape[1], (_row_address(QA, s0), _row_address(QA, s1))))

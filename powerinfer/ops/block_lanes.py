@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import cfunc, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -32,6 +32,7 @@ from .block_ir import (_F32, _FUSE, _I8, _I32, _c64, _call, _check_blocks, _isa,
                        quantize_acts)
 from .lane_ir import LANES, _chunks, _half_lanes, _idot16
 from .lanes import deinterleave, interleave
+from .symbols import compile_lock, export, symbol_call
 
 FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 # one group's activation record: int8 chunks (8 x 64), int32 block sums[16], fp32 scales[16],
@@ -162,20 +163,54 @@ def _dispatch(R: int, V: int):
 
 _rows4, _one, _vecs8, _vecs4 = _dispatch(4, 1), _dispatch(1, 1), _dispatch(1, 8), _dispatch(1, 4)
 
+# The dots as C functions compiled once, which every kernel calls by symbol (ops/symbols.py):
+# (bb, rows, groups, acts, out), the tuples as pointers to their addresses, the R x V results
+# written to out.
+_I64P = types.CPointer(types.int64)
+_C_SIG = types.void(types.int64, _I64P, types.int64, _I64P, types.CPointer(types.float32))
+
+with compile_lock("block_lanes_dots"):
+    @cfunc(_C_SIG, cache=True)
+    def _c_one(bb, rows, groups, acts, out):
+        out[0] = _one(bb, (rows[0],), groups, (acts[0],))[0]
+
+    @cfunc(_C_SIG, cache=True)
+    def _c_rows4(bb, rows, groups, acts, out):
+        r = _rows4(bb, (rows[0], rows[1], rows[2], rows[3]), groups, (acts[0],))
+        for k in range(4):
+            out[k] = r[k]
+
+    @cfunc(_C_SIG, cache=True)
+    def _c_vecs4(bb, rows, groups, acts, out):
+        r = _vecs4(bb, (rows[0],), groups, (acts[0], acts[1], acts[2], acts[3]))
+        for k in range(4):
+            out[k] = r[k]
+
+    @cfunc(_C_SIG, cache=True)
+    def _c_vecs8(bb, rows, groups, acts, out):
+        r = _vecs8(bb, (rows[0],), groups, (acts[0], acts[1], acts[2], acts[3], acts[4], acts[5], acts[6], acts[7]))
+        for k in range(8):
+            out[k] = r[k]
+
+for _name, _c in (("one", _c_one), ("rows4", _c_rows4), ("vecs4", _c_vecs4), ("vecs8", _c_vecs8)):
+    export(f"powerinfer_block_lanes_{_name}", _c)
+_call_one, _call_rows4, _call_vecs4, _call_vecs8 = (
+    symbol_call(f"powerinfer_block_lanes_{name}", n) for name, n in (("one", 1), ("rows4", 4), ("vecs4", 4), ("vecs8", 8)))
+
 
 @njit(fastmath=True)
 def dot_rows4(w, r0, r1, r2, r3, rec):
     """Rows r0..r3 of re-laid w dotted with block-lane records rec (`records`)."""
     _check_blocks(w)
-    return _rows4(w.shape[2], (_row(w, r0), _row(w, r1), _row(w, r2), _row(w, r3)), w.shape[1] // LANES,
-                  (rec.ctypes.data,))
+    return _call_rows4((w.shape[2], (_row(w, r0), _row(w, r1), _row(w, r2), _row(w, r3)), w.shape[1] // LANES,
+                        (rec.ctypes.data,)))
 
 
 @njit(fastmath=True)
 def dot_row(w, r, rec):
     """Row r of re-laid w dotted with block-lane records rec."""
     _check_blocks(w)
-    return _one(w.shape[2], (_row(w, r),), w.shape[1] // LANES, (rec.ctypes.data,))[0]
+    return _call_one((w.shape[2], (_row(w, r),), w.shape[1] // LANES, (rec.ctypes.data,)))[0]
 
 
 @njit(parallel=True)
@@ -197,18 +232,18 @@ def _matmul(w, QA, out):
         row = (_row(w, r),)
         s = 0
         while T - s >= 8:
-            d = _vecs8(bb, row, groups, (_row(QA, s), _row(QA, s + 1), _row(QA, s + 2), _row(QA, s + 3),
-                                         _row(QA, s + 4), _row(QA, s + 5), _row(QA, s + 6), _row(QA, s + 7)))
+            d = _call_vecs8((bb, row, groups, (_row(QA, s), _row(QA, s + 1), _row(QA, s + 2), _row(QA, s + 3),
+                                               _row(QA, s + 4), _row(QA, s + 5), _row(QA, s + 6), _row(QA, s + 7))))
             for j in range(8):
                 out[s + j, r] = d[j]
             s += 8
         if T - s >= 4:
-            d4 = _vecs4(bb, row, groups, (_row(QA, s), _row(QA, s + 1), _row(QA, s + 2), _row(QA, s + 3)))
+            d4 = _call_vecs4((bb, row, groups, (_row(QA, s), _row(QA, s + 1), _row(QA, s + 2), _row(QA, s + 3))))
             for j in range(4):
                 out[s + j, r] = d4[j]
             s += 4
         while s < T:
-            out[s, r] = _one(bb, row, groups, (_row(QA, s),))[0]
+            out[s, r] = _call_one((bb, row, groups, (_row(QA, s),)))[0]
             s += 1
 
 

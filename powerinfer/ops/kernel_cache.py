@@ -8,7 +8,12 @@ its sources changes, judged by a digest of their contents kept next to the cache
 An installed package is unaffected (an upgrade rewrites every file, which numba's own check
 catches); this guards a working tree being edited.
 
-Second, numba's cache index is a load-modify-write of one file per kernel: two processes
+Second, `serialize_compiles`: processes that start together cold (the test suite's two
+workers, a server beside a CLI run) would each compile the same kernel for the same types,
+minutes of duplicated work; with a lock per (kernel, signature) the second waits and loads
+the first one's result from the cache.
+
+Third, numba's cache index is a load-modify-write of one file per kernel: two processes
 saving different signatures of one kernel at once can both pick the same data file, and a
 later process then runs one signature's machine code for the other (a segfault, met with
 the test suite's two workers once the KV cache came in two dtypes). `lock_cache_files`
@@ -20,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import time
 from pathlib import Path
 
 STAMP = "powerinfer-sources.sha256"
@@ -108,3 +114,59 @@ def lock_cache_files() -> None:
 
     cls.save, cls.load = locked_save, locked_load
     cls._powerinfer_locked = True
+
+
+COMPILE_WAIT_S = 1800  # longest wait for another process's compile before compiling anyway
+
+
+def serialize_compiles() -> None:
+    """Wrap numba's `Dispatcher.compile` for cached kernels in a POSIX file lock per (kernel,
+    signature) in the kernel's cache folder, so one process compiles it and a process asking
+    meanwhile waits, then loads it from the cache (numba looks there first). No deadlock: a
+    compile waits only for the kernels it calls, and calls do not form cycles; a wait is
+    still bounded by COMPILE_WAIT_S. Without fcntl, or where numba's class has changed
+    shape, nothing is wrapped."""
+    try:
+        import fcntl
+
+        from numba.core.dispatcher import Dispatcher
+    except ImportError:
+        return
+    if getattr(Dispatcher, "_powerinfer_serialized", False) or not hasattr(Dispatcher, "compile"):
+        return
+    compile_ = Dispatcher.compile
+
+    def lock_path(dispatcher, sig) -> str | None:
+        cache = getattr(dispatcher, "_cache", None)
+        folder = getattr(cache, "cache_path", None)
+        if not folder:
+            return None
+        fn = dispatcher.py_func
+        key = f"{fn.__module__}.{fn.__qualname__}:{sig}".encode()
+        return os.path.join(folder, f"compile-{hashlib.sha1(key).hexdigest()[:16]}.lock")
+
+    def locked_compile(self, sig):
+        try:
+            path = lock_path(self, sig)
+            f = open(path, "ab") if path else None
+        except (OSError, TypeError, ValueError):
+            f = None
+        if f is None:
+            return compile_(self, sig)
+        with f:
+            deadline = time.monotonic() + COMPILE_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        return compile_(self, sig)
+                    time.sleep(0.1)
+            try:
+                return compile_(self, sig)
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    Dispatcher.compile = locked_compile
+    Dispatcher._powerinfer_serialized = True

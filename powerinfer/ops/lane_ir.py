@@ -33,11 +33,12 @@ weights costs four dots, one conversion and two multiplies for 16 rows.
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import njit, types
+from numba import cfunc, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .block_ir import _F32, _FUSE, _I8, _I16, _I32, _c64, _call, _isa, _load, _splat
+from .symbols import compile_lock, export, symbol_call
 
 LANES = 16  # rows per group: one 512-bit vector of int32 / fp32
 # the 4-D array's last axis (a group block's bytes / 16) -> the row format's block bytes:
@@ -294,4 +295,57 @@ def _dispatch(V: int):
     return dots
 
 
-lane_dots1, lane_dots2, lane_dots4, lane_dots8 = _dispatch(1), _dispatch(2), _dispatch(4), _dispatch(8)
+_dots1, _dots2, _dots4, _dots8 = _dispatch(1), _dispatch(2), _dispatch(4), _dispatch(8)
+
+# The dots as C functions compiled once, which every kernel calls by symbol (ops/symbols.py):
+# (bb, group, nb, acts, outs), the tuples as pointers to their V addresses.
+_I64P = types.CPointer(types.int64)
+_C_SIG = types.void(types.int64, types.int64, types.int64, _I64P, _I64P)
+
+with compile_lock("lane_dots"):
+    @cfunc(_C_SIG, cache=True)
+    def _c_dots1(bb, group, nb, acts, outs):
+        _dots1(bb, group, nb, (acts[0],), (outs[0],))
+
+    @cfunc(_C_SIG, cache=True)
+    def _c_dots2(bb, group, nb, acts, outs):
+        _dots2(bb, group, nb, (acts[0], acts[1]), (outs[0], outs[1]))
+
+    @cfunc(_C_SIG, cache=True)
+    def _c_dots4(bb, group, nb, acts, outs):
+        _dots4(bb, group, nb, (acts[0], acts[1], acts[2], acts[3]), (outs[0], outs[1], outs[2], outs[3]))
+
+    @cfunc(_C_SIG, cache=True)
+    def _c_dots8(bb, group, nb, acts, outs):
+        _dots8(bb, group, nb, (acts[0], acts[1], acts[2], acts[3], acts[4], acts[5], acts[6], acts[7]),
+               (outs[0], outs[1], outs[2], outs[3], outs[4], outs[5], outs[6], outs[7]))
+
+for _v, _c in ((1, _c_dots1), (2, _c_dots2), (4, _c_dots4), (8, _c_dots8)):
+    export(f"powerinfer_lane_dots{_v}", _c)
+_call1, _call2, _call4, _call8 = (symbol_call(f"powerinfer_lane_dots{v}") for v in (1, 2, 4, 8))
+
+
+@njit(inline="always")
+def lane_dots1(bb, group, nb, acts, outs):
+    """For the 16 rows of the group block array at address `group` (nb group blocks of format
+    bb, the array's last axis) and the activation records at acts[0] (`block_ir.quantize_acts`
+    for bb), adds the 16 dots to the 16 fp32 at outs[0]."""
+    _call1((bb, group, nb, acts, outs))
+
+
+@njit(inline="always")
+def lane_dots2(bb, group, nb, acts, outs):
+    """`lane_dots1` for two vectors: the dots with the records at acts[j] added at outs[j]."""
+    _call2((bb, group, nb, acts, outs))
+
+
+@njit(inline="always")
+def lane_dots4(bb, group, nb, acts, outs):
+    """`lane_dots1` for four vectors, each group block unpacked once for the four."""
+    _call4((bb, group, nb, acts, outs))
+
+
+@njit(inline="always")
+def lane_dots8(bb, group, nb, acts, outs):
+    """`lane_dots1` for eight vectors, each group block unpacked once for the eight."""
+    _call8((bb, group, nb, acts, outs))

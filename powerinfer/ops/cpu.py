@@ -17,35 +17,14 @@ from numba import njit, prange
 
 from .criterion import GATE_UP
 from .numba_half import narrow, widen
+from .row_dots import dot4, row_dot
 from .vmath import exp32
-
-
-@njit(inline="always", fastmath=True)
-def row_dot(w, i, x):
-    """w[i] . x with the row widened to fp32 (fp32 accumulation)."""
-    acc = np.float32(0.0)
-    for j in range(w.shape[1]):
-        acc += widen(w[i, j]) * x[j]
-    return acc
 
 
 # Each thread reads its share of the rows as STREAMS interleaved sequential streams, from
 # STREAMS distant parts of the share: more memory requests in flight per core than one
 # stream (four beat one and eight; docs/BENCHMARKS-history.md, issue 7 session 4).
 STREAMS = 4
-
-
-@njit(inline="always", fastmath=True)
-def dot4(w, r0, r1, r2, r3, v):
-    """(w[r0] . v, w[r1] . v, w[r2] . v, w[r3] . v), fp32 accumulation, in one pass over v."""
-    a0 = a1 = a2 = a3 = np.float32(0.0)
-    for j in range(w.shape[1]):
-        vj = v[j]
-        a0 += widen(w[r0, j]) * vj
-        a1 += widen(w[r1, j]) * vj
-        a2 += widen(w[r2, j]) * vj
-        a3 += widen(w[r3, j]) * vj
-    return a0, a1, a2, a3
 
 
 @njit(parallel=True, fastmath=True, cache=True)

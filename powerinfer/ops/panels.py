@@ -29,7 +29,7 @@ from numba.extending import overload
 from .cpu import add_matvec
 from .memory import huge_empty
 from .numba_half import widen
-from .sparse_cpu import _prefetch_l3
+from .row_dots import prefetch_l3
 from .lanes import add_matvec_lanes, block_weights
 from .quant import add_matvec_q
 
@@ -93,7 +93,7 @@ def _prefetch_span(wp, blk, r):
     """Prefetch panel blk's row r (a hint: rows past the end fault nothing)."""
     base = wp.ctypes.data + blk * wp.strides[0] + r * wp.strides[1]
     for off in range(0, wp.shape[2] * wp.itemsize, 64):
-        _prefetch_l3(base + off)
+        prefetch_l3(base + off)
 
 
 @njit(parallel=True, fastmath=True, cache=True)

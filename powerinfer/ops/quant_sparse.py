@@ -20,7 +20,7 @@ from .criterion import GATE
 from . import block_lanes
 from .block_ir import dot_row, dot_rows4, quantize_acts
 from .quant import _half, _s8
-from .sparse_cpu import _prefetch_l3
+from .row_dots import prefetch_l3
 
 
 @njit(inline="always", fastmath=True)
@@ -29,7 +29,7 @@ def _prefetch_row(w, r):
     so the hardware prefetcher only ramps up within a row once it is being read."""
     start = w.ctypes.data + r * w.strides[0]
     for off in range(0, w.strides[0], 64):
-        _prefetch_l3(start + off)
+        prefetch_l3(start + off)
 
 
 @njit(fastmath=True)

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from .criterion import GATE
-from .cpu import _act, dot4, gated_value, row_dot
+from .cpu import _act, gated_value
 from .numba_half import widen
+from .row_dots import SPAN, dot4, dot8_prefetch, prefetch_l3, row_dot, row_dot_at
 
 
 # Rows are processed several at a time: independent streams per thread keep more memory
@@ -33,34 +32,6 @@ AXPY_BLOCK = 8
 SHORT_ROW = 1024  # row length (elements) up to which dense-ish sets are read sequentially
 
 
-@intrinsic
-def _prefetch_l3(typingctx, addr):
-    """Software prefetch of the cache line at byte address `addr` into the outer caches (x86
-    prefetcht2): the rows of the next block start streaming while this block is computed."""
-    if not isinstance(addr, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        i8p = ir.IntType(8).as_pointer()
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
-        fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], fnty)
-        i32 = ir.IntType(32)
-        # read, locality 1 (L3/L2, not L1: the rows being computed keep L1), data cache
-        builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, 0), ir.Constant(i32, 1), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-
-    return types.void(addr), codegen
-
-
-# _dot8 reads its rows in spans of this many elements and, before each span, prefetches the
-# same span of the rows to be read next. Measured (fp16 11008 x 4096, 10% of rows, 2
-# threads, interleaved with a torch.sum probe): 38.3 vs 32.2 GB/s in the bus's fast phases,
-# 27.9 vs 22.0 in its slow ones; prefetch into L1 (t0) or one block further ahead gained
-# less. The span's index is unsigned: a signed one made LLVM keep numba's negative-index
-# wraparound and not vectorise the loop (6 GB/s).
-SPAN = 256
-
-
 @njit(inline="always", fastmath=True)
 def _prefetch_span(pw, rows, n_rows, jb, n):
     """Prefetch elements [jb, jb + n) of the first n_rows rows `rows` of matrix `pw`."""
@@ -68,40 +39,7 @@ def _prefetch_span(pw, rows, n_rows, jb, n):
     for i in range(n_rows):
         start = base + rows[i] * row_bytes + jb * el
         for off in range(0, n * el, 64):
-            _prefetch_l3(start + off)
-
-
-@njit(inline="always", fastmath=True)
-def _dot8(w, rows, x, t, out, pw, ahead):
-    """out[0:8] = W[rows[i]] . x[t] for eight rows, while prefetching rows `ahead` of matrix
-    `pw` (the rows read next, eight or none)."""
-    r0, r1, r2, r3, r4, r5, r6, r7 = rows[0], rows[1], rows[2], rows[3], rows[4], rows[5], rows[6], rows[7]
-    d = x.shape[1]
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-    for jb in range(0, d, SPAN):
-        n = min(SPAN, d - jb)
-        _prefetch_span(pw, ahead, ahead.shape[0], jb, n)
-        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
-        for jj in range(n):
-            j = np.uint64(jb + jj)
-            xj = x[t, j]
-            s0 += widen(w[r0, j]) * xj
-            s1 += widen(w[r1, j]) * xj
-            s2 += widen(w[r2, j]) * xj
-            s3 += widen(w[r3, j]) * xj
-            s4 += widen(w[r4, j]) * xj
-            s5 += widen(w[r5, j]) * xj
-            s6 += widen(w[r6, j]) * xj
-            s7 += widen(w[r7, j]) * xj
-        a0 += s0
-        a1 += s1
-        a2 += s2
-        a3 += s3
-        a4 += s4
-        a5 += s5
-        a6 += s6
-        a7 += s7
-    out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7] = a0, a1, a2, a3, a4, a5, a6, a7
+            prefetch_l3(start + off)
 
 
 @njit(inline="always", fastmath=True)
@@ -113,14 +51,6 @@ def _block_rows(idx, k0, k, dense, rows):
     for i in range(ROW_BLOCK):
         rows[i] = _row_of(idx, k0 + i, dense)
     return True
-
-
-@njit(inline="always", fastmath=True)
-def _dot1(w, r, x, t):
-    acc = np.float32(0.0)
-    for j in range(x.shape[1]):
-        acc += widen(w[r, j]) * x[t, j]
-    return acc
 
 
 @njit(inline="always", fastmath=True)
@@ -161,7 +91,7 @@ def row_gemv(w, x, idx, bias, act_id, out):
         for kk in range(4 * q, k):
             r = _row_of(idx, kk, dense)
             for t in range(T):
-                out[t, kk] = _finish_row(_dot1(w, r, x, t), r, bias, act_id)
+                out[t, kk] = _finish_row(row_dot_at(w, r, x, t), r, bias, act_id)
         return
     for b in prange((k + ROW_BLOCK - 1) // ROW_BLOCK):
         k0 = b * ROW_BLOCK
@@ -171,12 +101,12 @@ def row_gemv(w, x, idx, bias, act_id, out):
             if not _block_rows(idx, k0 + ROW_BLOCK, k, dense, ahead):
                 ahead = ahead[:0]
             for t in range(T):  # the next block's rows are prefetched once, with the first token
-                _dot8(w, rows, x, t, out[t, k0 : k0 + ROW_BLOCK], w, ahead if t == 0 else ahead[:0])
+                dot8_prefetch(w, rows, x, t, out[t, k0 : k0 + ROW_BLOCK], w, ahead if t == 0 else ahead[:0])
         else:
             for kk in range(k0, k):
                 r = _row_of(idx, kk, dense)
                 for t in range(T):
-                    out[t, kk] = _dot1(w, r, x, t)
+                    out[t, kk] = row_dot_at(w, r, x, t)
         for kk in range(k0, min(k0 + ROW_BLOCK, k)):
             r = _row_of(idx, kk, dense)
             for t in range(T):
@@ -206,7 +136,7 @@ def _axpy_block(wt, rows, coefs, n, acc_row, ahead, n_ahead):
             m = min(SPAN, d - jb)
             _prefetch_span(wt, ahead, n_ahead, jb, m)
             for jj in range(m):
-                j = np.uint64(jb + jj)  # unsigned: see SPAN
+                j = np.uint64(jb + jj)  # unsigned: see row_dots.SPAN
                 acc_row[j] += (s0 * widen(wt[r0, j]) + s1 * widen(wt[r1, j]) + s2 * widen(wt[r2, j])
                                + s3 * widen(wt[r3, j]) + s4 * widen(wt[r4, j]) + s5 * widen(wt[r5, j])
                                + s6 * widen(wt[r6, j]) + s7 * widen(wt[r7, j]))
@@ -350,10 +280,10 @@ def _gate_then_up(w_gate, w_up, x, idx, lo, hi, act_id, up_act_id, threshold, h)
         k1 = min(k0 + ROW_BLOCK, hi)
         if _block_rows(idx, k0, hi, False, rows):
             more = _block_rows(idx, k0 + ROW_BLOCK, hi, False, ahead)
-            _dot8(w_gate, rows, x, 0, gates, w_gate, ahead if more else ahead[:0])
+            dot8_prefetch(w_gate, rows, x, 0, gates, w_gate, ahead if more else ahead[:0])
         else:
             for kk in range(k0, k1):
-                gates[kk - k0] = _dot1(w_gate, np.int64(idx[kk]), x, 0)
+                gates[kk - k0] = row_dot_at(w_gate, np.int64(idx[kk]), x, 0)
         for kk in range(k0, k1):
             a = _act(gates[kk - k0], act_id)
             if abs(a) <= threshold:
@@ -362,12 +292,12 @@ def _gate_then_up(w_gate, w_up, x, idx, lo, hi, act_id, up_act_id, threshold, h)
             q_rows[n], q_k[n], q_a[n] = np.int64(idx[kk]), kk, a
             n += 1
             if n == ROW_BLOCK:
-                _dot8(w_up, q_rows, x, 0, ups, w_up, q_rows[:0])
+                dot8_prefetch(w_up, q_rows, x, 0, ups, w_up, q_rows[:0])
                 for i in range(ROW_BLOCK):
                     h[q_k[i]] = gated_value(q_a[i], ups[i], up_act_id, 1, threshold)
                 n = 0
     for i in range(n):
-        h[q_k[i]] = gated_value(q_a[i], _dot1(w_up, q_rows[i], x, 0), up_act_id, 1, threshold)
+        h[q_k[i]] = gated_value(q_a[i], row_dot_at(w_up, q_rows[i], x, 0), up_act_id, 1, threshold)
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -432,19 +362,19 @@ def gated_ffn(w_gate, w_up, wt_down, x, idx, act_id, up_act_id, criterion, thres
                     # rows are read, then the next block's gate rows while the up rows are
                     nxt = ahead if more and t == 0 else ahead[:0]
                     if criterion != GATE:  # every up row is read anyway: eight at a time
-                        _dot8(w_gate, rows, x, t, h[t, k0:k1], w_up, rows if t == 0 else rows[:0])
-                        _dot8(w_up, rows, x, t, ups, w_gate, nxt)
+                        dot8_prefetch(w_gate, rows, x, t, h[t, k0:k1], w_up, rows if t == 0 else rows[:0])
+                        dot8_prefetch(w_up, rows, x, t, ups, w_gate, nxt)
                     else:
-                        _dot8(w_gate, rows, x, t, h[t, k0:k1], w_gate, nxt)
+                        dot8_prefetch(w_gate, rows, x, t, h[t, k0:k1], w_gate, nxt)
                 else:
                     for kk in range(k0, k1):
-                        h[t, kk] = _dot1(w_gate, np.int64(idx[kk]), x, t)
+                        h[t, kk] = row_dot_at(w_gate, np.int64(idx[kk]), x, t)
                 for kk in range(k0, k1):
                     a = _act(h[t, kk], act_id)
                     if criterion == GATE and abs(a) <= threshold:
                         h[t, kk] = 0.0
                         continue
-                    u = ups[kk - k0] if full and criterion != GATE else _dot1(w_up, np.int64(idx[kk]), x, t)
+                    u = ups[kk - k0] if full and criterion != GATE else row_dot_at(w_up, np.int64(idx[kk]), x, t)
                     h[t, kk] = gated_value(a, u, up_act_id, criterion, threshold)
         for t in range(T):
             _down_chunk(wt_down, idx, h[t], lo, hi, acc[c, t], sequential_down)

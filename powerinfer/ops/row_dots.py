@@ -1,0 +1,200 @@
+"""Row dots of fp32 / bf16 / fp16 weights with fp32 activations, compiled once per weight
+dtype and called by symbol from every kernel (ops/symbols.py says why: inlined, each kernel
+and each of its callers compiled them again, a vectorized loop per row and dtype).
+
+Weights are numpy views in `numba_half.numpy_weights` encoding (fp32, bf16 as uint16, fp16
+as int16), widened to fp32 and accumulated in fp32; rows and activations contiguous. The
+kernels: `row_dot` (one row), `dot4` (four rows in one pass over x: four row streams, see
+cpu.add_matvec), `dot8_prefetch` (eight rows, prefetching the rows to be read next; the
+sparse kernels' blocks).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import cfunc, njit, types
+from numba.core.errors import TypingError
+from numba.extending import intrinsic, overload
+
+from .numba_half import widen
+from .symbols import compile_lock, export, symbol_call
+
+# dot8_prefetch reads its rows in spans of this many elements and, before each span,
+# prefetches the same span of the rows to be read next. Measured (fp16 11008 x 4096, 10% of
+# rows, 2 threads, interleaved with a torch.sum probe): 38.3 vs 32.2 GB/s in the bus's fast
+# phases, 27.9 vs 22.0 in its slow ones. Spans (not the whole row) keep the prefetched lines
+# in cache until they are read; the uint64 column index keeps LLVM from assuming signed
+# wraparound and not vectorising the loop (6 GB/s).
+SPAN = 256
+
+
+@intrinsic
+def prefetch_l3(typingctx, addr):
+    """Software prefetch of the cache line at byte address `addr` into the outer caches (x86
+    prefetcht2): the rows of the next block start streaming while this block is computed."""
+    if not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], fnty)
+        i32 = ir.IntType(32)
+        # read, locality 1 (L3/L2, not L1: the rows being computed keep L1), data cache
+        builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, 0), ir.Constant(i32, 1), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(addr), codegen
+
+
+# -- the C functions: (weights, row stride in elements, ..., x, d[, ...], out) ------------------
+def _row_dot_c(w, stride, r, x, d, out):
+    acc = np.float32(0.0)
+    base = r * stride
+    for j in range(d):
+        acc += widen(w[base + j]) * x[j]
+    out[0] = acc
+
+
+def _dot4_c(w, stride, rows, x, d, out):
+    b0, b1, b2, b3 = rows[0] * stride, rows[1] * stride, rows[2] * stride, rows[3] * stride
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    for j in range(d):
+        xj = x[j]
+        a0 += widen(w[b0 + j]) * xj
+        a1 += widen(w[b1 + j]) * xj
+        a2 += widen(w[b2 + j]) * xj
+        a3 += widen(w[b3 + j]) * xj
+    out[0], out[1], out[2], out[3] = a0, a1, a2, a3
+
+
+def _dot8_c(w, stride, rows, x, d, out, pw, pw_row_bytes, pw_el, ahead, n_ahead):
+    b0, b1, b2, b3 = rows[0] * stride, rows[1] * stride, rows[2] * stride, rows[3] * stride
+    b4, b5, b6, b7 = rows[4] * stride, rows[5] * stride, rows[6] * stride, rows[7] * stride
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+    for jb in range(0, d, SPAN):
+        n = min(SPAN, d - jb)
+        for i in range(n_ahead):
+            start = pw + ahead[i] * pw_row_bytes + jb * pw_el
+            for off in range(0, n * pw_el, 64):
+                prefetch_l3(start + off)
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+        for jj in range(n):
+            j = np.uint64(jb + jj)
+            xj = x[j]
+            s0 += widen(w[b0 + j]) * xj
+            s1 += widen(w[b1 + j]) * xj
+            s2 += widen(w[b2 + j]) * xj
+            s3 += widen(w[b3 + j]) * xj
+            s4 += widen(w[b4 + j]) * xj
+            s5 += widen(w[b5 + j]) * xj
+            s6 += widen(w[b6 + j]) * xj
+            s7 += widen(w[b7 + j]) * xj
+        a0 += s0
+        a1 += s1
+        a2 += s2
+        a3 += s3
+        a4 += s4
+        a5 += s5
+        a6 += s6
+        a7 += s7
+    out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7] = a0, a1, a2, a3, a4, a5, a6, a7
+
+
+_WEIGHT_DTYPES = {"float32": types.float32, "uint16": types.uint16, "int16": types.int16}
+_I64, _I64P, _F32P = types.int64, types.CPointer(types.int64), types.CPointer(types.float32)
+_CALLS: dict[tuple[str, str], object] = {}  # (kernel, weight dtype) -> its symbol call
+_COMPILED = []  # the C functions, kept alive
+
+
+def _build() -> None:
+    for name, dt in _WEIGHT_DTYPES.items():
+        wp = types.CPointer(dt)
+        for kernel, body, sig, results in (
+                ("row_dot", _row_dot_c, types.void(wp, _I64, _I64, _F32P, _I64, _F32P), 1),
+                ("dot4", _dot4_c, types.void(wp, _I64, _I64P, _F32P, _I64, _F32P), 4),
+                ("dot8", _dot8_c, types.void(wp, _I64, _I64P, _F32P, _I64, _F32P, _I64, _I64, _I64, _I64P, _I64), 0)):
+            compiled = cfunc(sig, cache=True, fastmath=True)(body)
+            symbol = f"powerinfer_{kernel}_{name}"
+            export(symbol, compiled)
+            _COMPILED.append(compiled)
+            _CALLS[kernel, name] = symbol_call(symbol, results)
+
+
+with compile_lock("row_dots"):
+    _build()
+
+
+def _call_for(kernel: str, w):
+    call = _CALLS.get((kernel, str(getattr(w, "dtype", ""))))
+    if call is None or not isinstance(w, types.Array) or w.ndim != 2:
+        raise TypingError(f"{kernel}: weights must be a 2-D fp32, uint16 (bf16) or int16 (fp16) array, not {w}")
+    return call
+
+
+@njit(inline="always")
+def _stride(w):
+    # the row stride in elements; rows must be contiguous
+    if w.strides[1] != w.itemsize:
+        raise ValueError("row dots need contiguous rows")
+    return w.strides[0] // w.itemsize
+
+
+@njit(inline="always")
+def _vector(x):
+    if x.strides[x.ndim - 1] != 4:
+        raise ValueError("row dots need contiguous activations")
+    return x.ctypes.data
+
+
+def row_dot(w, i, x):  # pragma: no cover - only its numba overload runs
+    """w[i] . x with the row widened to fp32 (fp32 accumulation)."""
+    raise NotImplementedError("row_dot() is for numba kernels")
+
+
+@overload(row_dot, inline="always")
+def _ol_row_dot(w, i, x):
+    call = _call_for("row_dot", w)
+    return lambda w, i, x: call((w.ctypes.data, _stride(w), i, _vector(x), w.shape[1]))[0]
+
+
+def dot4(w, r0, r1, r2, r3, v):  # pragma: no cover - only its numba overload runs
+    """(w[r0] . v, w[r1] . v, w[r2] . v, w[r3] . v), fp32 accumulation, in one pass over v."""
+    raise NotImplementedError("dot4() is for numba kernels")
+
+
+@overload(dot4, inline="always")
+def _ol_dot4(w, r0, r1, r2, r3, v):
+    call = _call_for("dot4", w)
+    return lambda w, r0, r1, r2, r3, v: call((w.ctypes.data, _stride(w), (r0, r1, r2, r3), _vector(v), w.shape[1]))
+
+
+def row_dot_at(w, r, x, t):  # pragma: no cover - only its numba overload runs
+    """w[r] . x[t] for activations x (T, d), without taking the view x[t]."""
+    raise NotImplementedError("row_dot_at() is for numba kernels")
+
+
+@overload(row_dot_at, inline="always")
+def _ol_row_dot_at(w, r, x, t):
+    call = _call_for("row_dot", w)
+    return lambda w, r, x, t: call((w.ctypes.data, _stride(w), r, _vector(x) + t * x.strides[0], x.shape[1]))[0]
+
+
+def dot8_prefetch(w, rows, x, t, out, pw, ahead):  # pragma: no cover - only its numba overload runs
+    """out[0:8] = W[rows[i]] . x[t] for eight rows (x (T, d)), while prefetching the rows
+    `ahead` of matrix `pw` (the rows read next, eight or none)."""
+    raise NotImplementedError("dot8_prefetch() is for numba kernels")
+
+
+@overload(dot8_prefetch, inline="always")
+def _ol_dot8_prefetch(w, rows, x, t, out, pw, ahead):
+    call = _call_for("dot8", w)
+
+    def impl(w, rows, x, t, out, pw, ahead):
+        if out.strides[0] != 4 or rows.strides[0] != 8 or ahead.strides[0] != 8:
+            raise ValueError("dot8_prefetch needs contiguous rows, outputs and ahead")
+        call((w.ctypes.data, _stride(w), rows.ctypes.data, _vector(x) + t * x.strides[0], x.shape[1], out.ctypes.data,
+              pw.ctypes.data, pw.strides[0], pw.itemsize, ahead.ctypes.data, ahead.shape[0]))
+
+    return impl

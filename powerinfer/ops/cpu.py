@@ -13,11 +13,13 @@ import math
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from .criterion import GATE_UP
 from .numba_half import narrow, widen
 from .row_dots import dot4, row_dot
+from .symbols import compile_lock, export, symbol_call
 from .vmath import exp32
 
 
@@ -184,17 +186,10 @@ def attention_chunks(pos, window):
     return (length - first + CHUNK - 1) // CHUNK
 
 
-@njit(fastmath=True, cache=True, error_model="numpy")  # vmath: loops of exp32 vectorize
-def attend_chunk(g, c, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, window, softcap,
-                 top_out, total_out, o_out):
-    """KV head g's query heads over chunk c of the attended positions: per head h, the chunk's
-    largest score top_out[h, c], its sum of exp(score - top) total_out[h, c] and the
-    unnormalized output o_out[h, c] (merged by `merge_chunks`). Four positions per pass in
-    both products (four independent sums over q . k; one load and store of the output per
-    four rows of v) and the scale folded into q: 1.6-2x one-position loops at 64-1024
-    positions (docs/BENCHMARKS.md, "Batched decode"). `window` > 0: only the last `window`
-    positions (sliding-window layers); `softcap` > 0: scores s become softcap * tanh(s /
-    softcap) (Gemma 2)."""
+@njit(inline="always", fastmath=True)
+def _attend_chunk_arrays(g, c, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, window,
+                         softcap, top_out, total_out, o_out):
+    """`attend_chunk`'s body, on arrays (compiled into its C functions)."""
     half = head_dim // 2
     rep = n_heads // n_kv
     first, length = _attended(pos, window)
@@ -263,7 +258,80 @@ def attend_chunk(g, c, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head
             for j in range(head_dim):
                 o[r, j] += p0 * widen(V[t, j])
         t += 1
-    o_out[g * rep : (g + 1) * rep, c] = o
+    for r in range(rep):  # element by element: a slice assignment fails inside a C function
+        for j in range(head_dim):
+            o_out[g * rep + r, c, j] = o[r, j]
+
+
+def _attend_chunk_c(g, c, qkv_p, n_qkv, pos, cos_p, sin_p, cs_rows, cs_cols, k_p, v_p, kv_len, n_heads, n_kv,
+                    head_dim, scale, rope, window, softcap, top_p, top_cols, total_p, o_p):
+    # the arrays' names differ from every local of `_attend_chunk_arrays`: numba's inlining
+    # let its local `o` overwrite a caller's array of that name (the outputs stayed zero)
+    c_qkv = numba.carray(qkv_p, (n_qkv,))
+    c_cos, c_sin = numba.carray(cos_p, (cs_rows, cs_cols)), numba.carray(sin_p, (cs_rows, cs_cols))
+    c_k = numba.carray(k_p, (n_kv, kv_len, head_dim))
+    c_v = numba.carray(v_p, (n_kv, kv_len, head_dim))
+    c_top = numba.carray(top_p, (n_heads, top_cols))
+    c_total = numba.carray(total_p, (n_heads, top_cols))
+    c_o = numba.carray(o_p, (n_heads, top_cols, head_dim))
+    _attend_chunk_arrays(g, c, c_qkv, pos, c_cos, c_sin, c_k, c_v, n_heads, n_kv, head_dim, scale, rope != 0, window,
+                         softcap, c_top, c_total, c_o)
+
+
+# One C function per KV cache dtype (fp32, fp16 bits as int16) and scale type (the callers'
+# float32 or float64: each keeps its own rounding), called by symbol (ops/symbols.py).
+_ATTEND_CALLS: dict[tuple[str, str], object] = {}
+_ATTEND_COMPILED = []
+
+
+def _build_attend() -> None:
+    from numba import cfunc, types
+
+    i64, f32p = types.int64, types.CPointer(types.float32)
+    for kv_name, kv in (("float32", types.float32), ("int16", types.int16)):
+        for scale_name, scale in (("float32", types.float32), ("float64", types.float64)):
+            kvp = types.CPointer(kv)
+            sig = types.void(i64, i64, f32p, i64, i64, f32p, f32p, i64, i64, kvp, kvp, i64, i64, i64, i64, scale, i64,
+                             i64, types.float32, f32p, i64, f32p, f32p)
+            compiled = cfunc(sig, cache=True, fastmath=True, error_model="numpy")(_attend_chunk_c)
+            symbol = f"powerinfer_attend_chunk_{kv_name}_{scale_name}"
+            export(symbol, compiled)
+            _ATTEND_COMPILED.append(compiled)
+            _ATTEND_CALLS[kv_name, scale_name] = symbol_call(symbol)
+
+
+with compile_lock("attend_chunk"):
+    _build_attend()
+
+
+def attend_chunk(g, c, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, window, softcap,
+                 top_out, total_out, o_out):  # pragma: no cover - only its numba overload runs
+    """KV head g's query heads over chunk c of the attended positions: per head h, the chunk's
+    largest score top_out[h, c], its sum of exp(score - top) total_out[h, c] and the
+    unnormalized output o_out[h, c] (merged by `merge_chunks`). Four positions per pass in
+    both products (four independent sums over q . k; one load and store of the output per
+    four rows of v) and the scale folded into q: 1.6-2x one-position loops at 64-1024
+    positions (docs/BENCHMARKS.md, "Batched decode"). `window` > 0: only the last `window`
+    positions (sliding-window layers); `softcap` > 0: scores s become softcap * tanh(s /
+    softcap) (Gemma 2)."""
+    raise NotImplementedError("attend_chunk() is for numba kernels")
+
+
+@overload(attend_chunk, inline="always")
+def _ol_attend_chunk(g, c, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, window,
+                     softcap, top_out, total_out, o_out):
+    """Arrays C-contiguous (not checked: a raise would serialize the callers' prange loops)."""
+    call = _ATTEND_CALLS.get((str(getattr(k_cache, "dtype", "")), "float32" if scale == types.float32 else "float64"))
+    if call is None:
+        return None
+
+    def impl(g, c, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, scale, rope, window, softcap,
+             top_out, total_out, o_out):
+        call((g, c, qkv.ctypes.data, qkv.shape[0], pos, cos.ctypes.data, sin.ctypes.data, cos.shape[0], cos.shape[1],
+              k_cache.ctypes.data, v_cache.ctypes.data, k_cache.shape[1], n_heads, n_kv, head_dim, scale, rope, window,
+              np.float32(softcap), top_out.ctypes.data, top_out.shape[1], total_out.ctypes.data, o_out.ctypes.data))
+
+    return impl
 
 
 @njit(fastmath=True, cache=True, error_model="numpy")  # vmath: loops of exp32 vectorize

@@ -3,7 +3,8 @@ dtype and called by symbol from every kernel (ops/symbols.py says why: inlined, 
 and each of its callers compiled them again, a vectorized loop per row and dtype).
 
 Weights are numpy views in `numba_half.numpy_weights` encoding (fp32, bf16 as uint16, fp16
-as int16), widened to fp32 and accumulated in fp32; rows and activations contiguous. The
+as int16), widened to fp32 and accumulated in fp32; rows, activations and `dot8_prefetch`'s
+index and output arrays must be contiguous (not checked: see `_stride`). The
 kernels: `row_dot` (one row), `dot4` (four rows in one pass over x: four row streams, see
 cpu.add_matvec), `dot8_prefetch` (eight rows, prefetching the rows to be read next; the
 sparse kernels' blocks).
@@ -133,18 +134,16 @@ def _call_for(kernel: str, w):
     return call
 
 
+# No checks in the wrappers below: a `raise` inside a prange body makes numba run the loop on
+# one thread. The callers' weights are `numpy_weights` views and their activations C arrays
+# (rows of them), contiguous in their last axis, which the C functions assume.
 @njit(inline="always")
 def _stride(w):
-    # the row stride in elements; rows must be contiguous
-    if w.strides[1] != w.itemsize:
-        raise ValueError("row dots need contiguous rows")
     return w.strides[0] // w.itemsize
 
 
 @njit(inline="always")
 def _vector(x):
-    if x.strides[x.ndim - 1] != 4:
-        raise ValueError("row dots need contiguous activations")
     return x.ctypes.data
 
 
@@ -192,8 +191,6 @@ def _ol_dot8_prefetch(w, rows, x, t, out, pw, ahead):
     call = _call_for("dot8", w)
 
     def impl(w, rows, x, t, out, pw, ahead):
-        if out.strides[0] != 4 or rows.strides[0] != 8 or ahead.strides[0] != 8:
-            raise ValueError("dot8_prefetch needs contiguous rows, outputs and ahead")
         call((w.ctypes.data, _stride(w), rows.ctypes.data, _vector(x) + t * x.strides[0], x.shape[1], out.ctypes.data,
               pw.ctypes.data, pw.strides[0], pw.itemsize, ahead.ctypes.data, ahead.shape[0]))
 

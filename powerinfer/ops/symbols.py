@@ -11,8 +11,8 @@ LLVM's JIT, the way numba's own runtime functions are; a kernel's IR then holds 
 which a cached kernel resolves again when it is loaded in another process (the symbol is
 registered when this package's modules are imported, before any kernel is loaded).
 
-The calling convention is plain C: integers as int64, a tuple of integers as a pointer to
-its items, and results (float32) through a pointer passed last.
+The calling convention is plain C: integers as int64, floats as float or double, a tuple of
+integers as a pointer to its items, and results (float32) through a pointer passed last.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def compile_lock(name: str) -> Iterator[None]:
 
 def symbol_call(symbol: str, results: int = 0):
     """An intrinsic f(args) calling the C function registered as `symbol` with the items of
-    the tuple `args`: integers as int64, tuples of integers as a pointer to their items (as
-    int64). With `results` > 0 a pointer to that many float32 goes last, and f returns them
+    the tuple `args`: integers and booleans as int64, floats as they are (float32 a C float,
+    float64 a double), tuples of integers as a pointer to their items (as int64). With `results` > 0 a pointer to that many float32 goes last, and f returns them
     as a tuple."""
     ret = types.UniTuple(types.float32, results) if results else types.none
 
@@ -74,7 +74,8 @@ def symbol_call(symbol: str, results: int = 0):
         if not isinstance(args, types.BaseTuple):
             return None
         for t in args.types:
-            ok = isinstance(t, types.Integer) or (isinstance(t, types.UniTuple) and isinstance(t.dtype, types.Integer))
+            ok = isinstance(t, (types.Integer, types.Boolean, types.Float)) or (
+                isinstance(t, types.BaseTuple) and all(isinstance(e, types.Integer) for e in t.types))
             if not ok:
                 return None
 
@@ -83,13 +84,16 @@ def symbol_call(symbol: str, results: int = 0):
             values, params = [], []
             for k, t in enumerate(tup_t.types):
                 v = builder.extract_value(tup, k)
-                if isinstance(t, types.Integer):
+                if isinstance(t, (types.Integer, types.Boolean)):
                     values.append(context.cast(builder, v, t, types.int64))
                     params.append(_I64)
+                elif isinstance(t, types.Float):  # as it is: float32 a C float, float64 a double
+                    values.append(v)
+                    params.append(context.get_value_type(t))
                 else:
-                    items = cgutils.alloca_once(builder, _I64, size=t.count)
-                    for j in range(t.count):
-                        item = context.cast(builder, builder.extract_value(v, j), t.dtype, types.int64)
+                    items = cgutils.alloca_once(builder, _I64, size=len(t.types))
+                    for j, item_t in enumerate(t.types):  # mixed widths too (a uint64 prange index)
+                        item = context.cast(builder, builder.extract_value(v, j), item_t, types.int64)
                         builder.store(item, builder.gep(items, [ir.Constant(ir.IntType(32), j)]))
                     values.append(items)
                     params.append(_I64.as_pointer())

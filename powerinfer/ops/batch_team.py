@@ -170,7 +170,7 @@ def layer_stack_team(X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in,
     sync = new_sync(PHASES_PER_LAYER * len(wqkv))
     for rank in prange(T):
         # int64: numba types the prange index int64 when it types the loop and uint64 in the
-        # parallel body, so an uncast rank compiles `_rank_layers` twice (and uint64 - int64 is float64)
-        _rank_layers(np.int64(rank), T, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_out, b_out, act_id,
-                     up_act_id, pos, chunks, start, cos, sin, k_caches, v_caches, n_heads, n_kv, head_dim, scale, rope,
-                     H, QA_qkv, QKV, top, total, o, ATT, QA_o, QA_in, PRE, HID, QA_d)
+        # parallel body, so an uncast rank compiles `_rank_layers` twice (the second with float64 share bounds)
+        _rank_layers(np.int64(rank), T, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_out, b_out,
+                     act_id, up_act_id, pos, chunks, start, cos, sin, k_caches, v_caches, n_heads, n_kv, head_dim,
+                     scale, rope, H, QA_qkv, QKV, top, total, o, ATT, QA_o, QA_in, PRE, HID, QA_d)

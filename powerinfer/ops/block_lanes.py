@@ -195,7 +195,8 @@ with compile_lock("block_lanes_dots"):
 for _name, _c in (("one", _c_one), ("rows4", _c_rows4), ("vecs4", _c_vecs4), ("vecs8", _c_vecs8)):
     export(f"powerinfer_block_lanes_{_name}", _c)
 _call_one, _call_rows4, _call_vecs4, _call_vecs8 = (
-    symbol_call(f"powerinfer_block_lanes_{name}", n) for name, n in (("one", 1), ("rows4", 4), ("vecs4", 4), ("vecs8", 8)))
+    symbol_call(f"powerinfer_block_lanes_{name}", n)
+    for name, n in (("one", 1), ("rows4", 4), ("vecs4", 4), ("vecs8", 8)))
 
 
 @njit(fastmath=True)

@@ -156,7 +156,7 @@ def layer_stack_team(x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in,
     sync = new_sync(PHASES_PER_LAYER * len(wqkv))
     for rank in prange(T):
         # int64: numba types the prange index int64 when it types the loop and uint64 in the
-        # parallel body, so an uncast rank compiles `_rank_layers` twice (and uint64 - int64 is float64)
-        _rank_layers(np.int64(rank), T, sync, x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_out, b_out, act_id,
-                     up_act_id, pos, cos, sin, k_all, v_all, n_heads, n_kv, head_dim, scale, rope, h, attn, qa_qkv,
-                     qa_o, qa_in, qkv, top, total, o, pre, hidden, recs)
+        # parallel body, so an uncast rank compiles `_rank_layers` twice (the second with float64 share bounds)
+        _rank_layers(np.int64(rank), T, sync, x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_out, b_out,
+                     act_id, up_act_id, pos, cos, sin, k_all, v_all, n_heads, n_kv, head_dim, scale, rope, h, attn,
+                     qa_qkv, qa_o, qa_in, qkv, top, total, o, pre, hidden, recs)

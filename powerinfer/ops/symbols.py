@@ -65,8 +65,8 @@ def compile_lock(name: str) -> Iterator[None]:
 def symbol_call(symbol: str, results: int = 0):
     """An intrinsic f(args) calling the C function registered as `symbol` with the items of
     the tuple `args`: integers and booleans as int64, floats as they are (float32 a C float,
-    float64 a double), tuples of integers as a pointer to their items (as int64). With `results` > 0 a pointer to that many float32 goes last, and f returns them
-    as a tuple."""
+    float64 a double), tuples of integers as a pointer to their items (as int64). With
+    `results` > 0 a pointer to that many float32 goes last, and f returns them as a tuple."""
     ret = types.UniTuple(types.float32, results) if results else types.none
 
     @intrinsic

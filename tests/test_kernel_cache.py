@@ -4,10 +4,8 @@ sibling files."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import pytest
 
 from powerinfer.ops import kernel_cache
 
@@ -39,14 +37,38 @@ def test_cache_dropped_only_when_a_source_changes(tmp_path: Path):
     assert not kernel_cache.drop_stale(src, cache)
 
 
-@pytest.mark.skipif(bool(os.environ.get("NUMBA_CACHE_DIR")), reason="numba's cache is elsewhere")
 def test_the_package_stamp_matches_its_sources():
-    """Importing powerinfer.ops left a stamp of the sources now in the tree."""
+    """Importing powerinfer.ops left a stamp of the sources now in the tree, in the folder
+    where numba keeps the package's kernels (its own cache files are there too)."""
+    import importlib
+
     import powerinfer.ops as ops
 
+    importlib.import_module("powerinfer.ops.row_dots")  # its C functions are cached kernels
+
     here = Path(ops.__file__).parent
-    stamp = here / "__pycache__" / kernel_cache.STAMP
-    assert stamp.read_text().strip() == kernel_cache.sources_digest(here)
+    cache = kernel_cache.package_cache_dir()
+    assert (cache / kernel_cache.STAMP).read_text().strip() == kernel_cache.sources_digest(here)
+    assert any(p.suffix == ".nbi" for p in cache.iterdir())
+
+
+def test_a_user_cache_dir_is_kept_current_too(tmp_path: Path, monkeypatch):
+    """With NUMBA_CACHE_DIR set, numba keeps ops/'s kernels in a folder of its own under it:
+    that folder gets the stamp, and kernels made from other sources are dropped there."""
+    from numba import config
+    from numba.core.caching import UserProvidedCacheLocator
+
+    from powerinfer.ops import row_dots
+
+    monkeypatch.setattr(config, "CACHE_DIR", str(tmp_path))
+    cache = kernel_cache.package_cache_dir()
+    numbas = UserProvidedCacheLocator.from_function(row_dots._row_dot_c, row_dots.__file__).get_cache_path()
+    assert cache == Path(numbas) and cache.parent == tmp_path
+    cache.mkdir(exist_ok=True)  # numba's locator made it already
+    (cache / "kernel.k-1.py311.nbi").write_bytes(b"index from other sources")
+    kernel_cache.drop_stale_package_cache()
+    assert _cache_files(cache) == []
+    assert (cache / kernel_cache.STAMP).read_text().strip() == kernel_cache.sources_digest(Path(row_dots.__file__).parent)
 
 
 def _save_many(cache_dir: str, key: str, start, rounds: int) -> None:

@@ -63,13 +63,28 @@ def drop_stale(src_dir: Path, cache_dir: Path) -> bool:
         return False
 
 
-def drop_stale_package_cache() -> None:
-    """`drop_stale` for this package (ops/), where numba keeps its cache by default; skipped
-    when NUMBA_CACHE_DIR moves the cache elsewhere."""
-    if os.environ.get("NUMBA_CACHE_DIR"):
-        return
+def package_cache_dir() -> Path | None:
+    """Where numba keeps this package's (ops/) kernels: its __pycache__, or numba's folder
+    for ops/ under NUMBA_CACHE_DIR when that is set (None where numba's locator has changed
+    shape)."""
     here = Path(__file__).resolve().parent
-    drop_stale(here, here / "__pycache__")
+    from numba import config
+
+    if not config.CACHE_DIR:
+        return here / "__pycache__"
+    try:
+        from numba.core.caching import _CacheLocator
+
+        return Path(config.CACHE_DIR) / _CacheLocator.get_suitable_cache_subpath(str(here / "kernel_cache.py"))
+    except (ImportError, AttributeError):
+        return None
+
+
+def drop_stale_package_cache() -> None:
+    """`drop_stale` for this package's kernels, wherever numba keeps them."""
+    cache_dir = package_cache_dir()
+    if cache_dir is not None:
+        drop_stale(Path(__file__).resolve().parent, cache_dir)
 
 
 def lock_cache_files() -> None:

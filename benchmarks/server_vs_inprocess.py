@@ -3,6 +3,11 @@ throughput with 1, 2, 4 and 8 concurrent streaming clients, with the p50/p95 int
 gap over all clients' gaps and the range of each client's own (embedded SmolLM2 by
 default, its own Q4_1 weights in both paths).
 
+Where a single stream's time goes besides the engine: the one-client rounds alternate
+in-process, the official `openai` client and a bare httpx reader of the same SSE stream
+(no parsing: the client's own CPU mostly gone), and report the CPU each streamed chunk costs
+the server's threads (from /proc/PID/task/*/stat; Linux) and the `openai` client.
+
     python benchmarks/server_vs_inprocess.py [--model PATH] [--tokens 64] [--max-batch 8] [--kv-dtype fp16]
 """
 
@@ -48,6 +53,35 @@ def stream_once(client, prompt: str, tokens: int) -> tuple[float, float, int, li
     return times[0] - t0, times[-1] - times[0], len(times), gaps, times[0], times[-1]
 
 
+def stream_bare(base: str, prompt: str, tokens: int) -> float:
+    """Decode tok/s of one streamed greedy completion read as raw SSE lines by httpx (text
+    chunks are counted by a substring test: no JSON parsing)."""
+    times = []
+    body = {"model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=600) as c, c.stream("POST", base + "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"text": ""' not in line:
+                times.append(time.perf_counter())
+    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of process `pid` ({} off Linux)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
@@ -82,7 +116,9 @@ def main() -> None:
                 time.sleep(0.5)
         client = OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=600)
         stream_once(client, prompt, 8)  # warm-up (numba compile in the server process)
-        ttft, decode, runs = [], [], []
+        ttft, decode, runs, bare = [], [], [], []
+        server_cpu: dict[int, float] = {}
+        client_cpu = 0.0
         for _ in range(3):  # alternating: in-process, then the server (idle meanwhile)
             t0 = time.perf_counter()
             first = None
@@ -90,7 +126,12 @@ def main() -> None:
                 first = first or time.perf_counter()
             ttft.append(first - t0)
             decode.append(r.generation_tps)
+            before, cpu0 = thread_cpu(proc.pid), time.process_time()
             runs.append(stream_once(client, prompt, args.tokens))
+            client_cpu += time.process_time() - cpu0
+            for tid, t in thread_cpu(proc.pid).items():
+                server_cpu[tid] = server_cpu.get(tid, 0.0) + t - before.get(tid, 0.0)
+            bare.append(stream_bare(base, prompt, args.tokens))
         s_ttft = statistics.median(r[0] for r in runs)
         s_decode = statistics.median((r[2] - 1) / r[1] for r in runs)
         print(f"\nmodel {args.model or 'embedded SmolLM2-135M'}; {args.tokens} greedy tokens; threads {args.threads}; "
@@ -98,8 +139,16 @@ def main() -> None:
         print("| path | TTFT ms | decode tok/s |\n|---|---|---|")
         print(f"| in-process stream_generate | {statistics.median(ttft) * 1e3:.0f} | {statistics.median(decode):.1f} |")
         print(f"| server, 1 streaming client | {s_ttft * 1e3:.0f} | {s_decode:.1f} |")
-        print(f"\nserver / in-process decode: {s_decode / statistics.median(decode):.2f}x; TTFT difference "
+        print(f"| server, bare httpx reader | - | {statistics.median(bare):.1f} |")
+        print(f"\nserver / in-process decode: {s_decode / statistics.median(decode):.2f}x (bare reader "
+              f"{statistics.median(bare) / statistics.median(decode):.2f}x); TTFT difference "
               f"{(s_ttft - statistics.median(ttft)) * 1e3:+.0f} ms")
+        chunks = sum(r[2] for r in runs)
+        busy = sorted(((t, tid) for tid, t in server_cpu.items() if t > 0), reverse=True)
+        per = ", ".join(f"{'main (engine)' if tid == proc.pid else f'thread {tid}'} {t / chunks * 1e3:.2f}"
+                        for t, tid in busy)
+        print(f"CPU ms per streamed chunk (openai rounds, {chunks} chunks): server threads: {per or 'n/a'}; "
+              f"this process (the openai client) {client_cpu / chunks * 1e3:.2f}")
         # aggregate: every text chunk over the wall time (prefills included); decode: the chunks
         # after each client's first over the span from the first client's first chunk to the end
         print("\n| concurrent clients | aggregate tok/s | vs 1 client | decode tok/s | vs 1 client | p50 gap ms | "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -96,3 +97,24 @@ def test_our_gguf_header_reader_equals_the_gguf_package(smollm2_path):
         assert (mine.tensor_type, mine.shape, mine.data_offset) == (t.tensor_type, [int(d) for d in t.shape],
                                                                     int(t.data_offset))
         assert mine.data.shape == t.data.shape and np.array_equal(mine.data.view(np.uint8), t.data.view(np.uint8))
+
+
+@pytest.mark.parametrize("data,message", [
+    (b"\x02\0\0\0\0\0\0\0ab\x03\0\0\0\0\0\0\0cde", None),
+    (b"\x02\0\0\0\0\0\0\0ab\x03\0", "the length of tokens[1] is cut short (needs 8 bytes at byte 10"),
+    (b"\x02\0\0\0\0\0\0\0ab\x05\0\0\0\0\0\0\0cd", "tokens[1] is cut short (needs 5 bytes at byte 18"),
+    (b"\x02\0\0\0\0\0\0\0ab\x03\0\0\0\0\0\0\0c\xffd", "corrupt GGUF file: tokens[1] is not UTF-8 text"),
+    (b"\0\0\0\0\0\0\0\x01", "corrupt GGUF file: tokens[0] claims 72057594037927936 bytes"),
+])
+def test_string_arrays_are_read_whole_or_refused_by_name(data, message):
+    """A vocabulary's strings are read in one loop (formats/gguf_check.py): each string cut
+    short, not UTF-8, or claiming more bytes than a file has is refused by its index."""
+    from powerinfer.errors import ModelFileError
+    from powerinfer.formats.gguf_check import _Cursor
+
+    c = _Cursor(data, "f.gguf")
+    if message is None:
+        assert c.strings(2, "tokens") == ["ab", "cde"] and c.pos == len(data)
+        return
+    with pytest.raises(ModelFileError, match=re.escape(message)):
+        c.strings(2, "tokens")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 from powerinfer.ops import kernel_cache
 
 

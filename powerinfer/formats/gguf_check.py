@@ -83,11 +83,10 @@ class _Cursor:
         except UnicodeDecodeError:
             raise self.corrupt(f"{what} is not UTF-8 text") from None
 
-
     def strings(self, count: int, what: str) -> list[str]:
         """`count` strings (`what`[i]) one after another: `string`'s checks and messages in one
-        loop, since a vocabulary's ~100k strings through `string` took most of a load's
-        header time (0.85 s for SmolLM2's tokens and merges)."""
+        loop, since a vocabulary's ~100k strings through `string` were most of a load's header
+        time (docs/BENCHMARKS.md "Loading")."""
         data, pos, size = self.data, self.pos, self.size
         length = struct.Struct("<Q").unpack_from
         view = memoryview(data)

@@ -19,7 +19,7 @@ from numba.extending import overload
 from .criterion import GATE_UP
 from .numba_half import narrow, widen
 from .row_dots import dot4, row_dot
-from .symbols import compile_lock, export, symbol_call
+from .symbols import c_function, compile_lock
 from .vmath import exp32
 
 
@@ -281,23 +281,17 @@ def _attend_chunk_c(g, c, qkv_p, n_qkv, pos, cos_p, sin_p, cs_rows, cs_cols, k_p
 # One C function per KV cache dtype (fp32, fp16 bits as int16) and scale type (the callers'
 # float32 or float64: each keeps its own rounding), called by symbol (ops/symbols.py).
 _ATTEND_CALLS: dict[tuple[str, str], object] = {}
-_ATTEND_COMPILED = []
 
 
 def _build_attend() -> None:
-    from numba import cfunc, types
-
     i64, f32p = types.int64, types.CPointer(types.float32)
     for kv_name, kv in (("float32", types.float32), ("int16", types.int16)):
         for scale_name, scale in (("float32", types.float32), ("float64", types.float64)):
             kvp = types.CPointer(kv)
             sig = types.void(i64, i64, f32p, i64, i64, f32p, f32p, i64, i64, kvp, kvp, i64, i64, i64, i64, scale, i64,
                              i64, types.float32, f32p, i64, f32p, f32p)
-            compiled = cfunc(sig, cache=True, fastmath=True, error_model="numpy")(_attend_chunk_c)
-            symbol = f"powerinfer_attend_chunk_{kv_name}_{scale_name}"
-            export(symbol, compiled)
-            _ATTEND_COMPILED.append(compiled)
-            _ATTEND_CALLS[kv_name, scale_name] = symbol_call(symbol)
+            _ATTEND_CALLS[kv_name, scale_name] = c_function(f"powerinfer_attend_chunk_{kv_name}_{scale_name}",
+                                                            _attend_chunk_c, sig, fastmath=True, error_model="numpy")
 
 
 with compile_lock("attend_chunk"):

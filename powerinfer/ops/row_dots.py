@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import cfunc, njit, types
+from numba import njit, types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 
 from .numba_half import widen
-from .symbols import compile_lock, export, symbol_call
+from .symbols import c_function, compile_lock
 
 # dot8_prefetch reads its rows in spans of this many elements and, before each span,
 # prefetches the same span of the rows to be read next. Measured (fp16 11008 x 4096, 10% of
@@ -106,7 +106,6 @@ def _dot8_c(w, stride, rows, x, d, out, pw, pw_row_bytes, pw_el, ahead, n_ahead)
 _WEIGHT_DTYPES = {"float32": types.float32, "uint16": types.uint16, "int16": types.int16}
 _I64, _I64P, _F32P = types.int64, types.CPointer(types.int64), types.CPointer(types.float32)
 _CALLS: dict[tuple[str, str], object] = {}  # (kernel, weight dtype) -> its symbol call
-_COMPILED = []  # the C functions, kept alive
 
 
 def _build() -> None:
@@ -116,11 +115,7 @@ def _build() -> None:
                 ("row_dot", _row_dot_c, types.void(wp, _I64, _I64, _F32P, _I64, _F32P), 1),
                 ("dot4", _dot4_c, types.void(wp, _I64, _I64P, _F32P, _I64, _F32P), 4),
                 ("dot8", _dot8_c, types.void(wp, _I64, _I64P, _F32P, _I64, _F32P, _I64, _I64, _I64, _I64P, _I64), 0)):
-            compiled = cfunc(sig, cache=True, fastmath=True)(body)
-            symbol = f"powerinfer_{kernel}_{name}"
-            export(symbol, compiled)
-            _COMPILED.append(compiled)
-            _CALLS[kernel, name] = symbol_call(symbol, results)
+            _CALLS[kernel, name] = c_function(f"powerinfer_{kernel}_{name}", body, sig, results, fastmath=True)
 
 
 with compile_lock("row_dots"):

@@ -18,8 +18,6 @@ integers as a pointer to its items, and results (float32) through a pointer pass
 from __future__ import annotations
 
 import contextlib
-import os
-from pathlib import Path
 from typing import Iterator
 
 import llvmlite.binding as llvm
@@ -28,12 +26,29 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .kernel_cache import package_cache_dir
+
 _I64 = ir.IntType(64)
 
 
 def export(symbol: str, compiled) -> None:
     """Register a compiled `numba.cfunc` under `symbol` for `symbol_call`s to resolve."""
     llvm.add_symbol(symbol, compiled.address)
+
+
+_KEPT: list = []  # the C functions `c_function` made, alive while their addresses are registered
+
+
+def c_function(symbol: str, body, sig, results: int = 0, **options):
+    """Compile `body` as a C function of signature `sig` (cached on disk; `options` as numba's
+    cfunc takes them), register it under `symbol` and return its `symbol_call`. `body` must be
+    a module-level function: numba does not cache a C function made from a closure."""
+    from numba import cfunc
+
+    compiled = cfunc(sig, cache=True, **options)(body)
+    export(symbol, compiled)
+    _KEPT.append(compiled)
+    return symbol_call(symbol, results)
 
 
 @contextlib.contextmanager
@@ -46,9 +61,10 @@ def compile_lock(name: str) -> Iterator[None]:
     except ImportError:
         yield
         return
-    cache = os.environ.get("NUMBA_CACHE_DIR")
-    folder = Path(cache) if cache else Path(__file__).resolve().parent / "__pycache__"
+    folder = package_cache_dir()  # beside the kernels, wherever numba keeps them
     try:
+        if folder is None:
+            raise OSError("numba's cache folder for ops/ is unknown")
         folder.mkdir(parents=True, exist_ok=True)
         f = open(folder / f"{name}.compile.lock", "ab")
     except OSError:

@@ -4,12 +4,14 @@ llama.cpp writes them instead of files our own test writer imitates."""
 
 from __future__ import annotations
 
+import atexit
 import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,13 +30,43 @@ def require_converter() -> Path:
     return CONVERTER
 
 
+class _Converter:
+    """One converter process (tests/converter_worker.py) per test process, started on first
+    use: each conversion then costs its own work, not another ~5 s import of torch and the
+    converter. Its output is kept in a log file; a failed job's tail is put in the error."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen | None = None
+        self.log = None
+
+    def run(self, args: list[str]) -> None:
+        if self.process is None or self.process.poll() is not None:
+            self.log = tempfile.TemporaryFile(mode="w+", prefix="converter-", suffix=".log")
+            worker = Path(__file__).with_name("converter_worker.py")
+            self.process = subprocess.Popen([sys.executable, str(worker), str(require_converter())], text=True,
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+            atexit.register(self.process.kill)
+        start = self.log.seek(0, io.SEEK_END)
+        self.process.stdin.write(json.dumps(args) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if line:
+            reply = json.loads(line)
+            if reply["ok"]:
+                return
+            error = reply["error"]
+        else:
+            error = f"the converter process ended with {self.process.wait()}"
+        self.log.seek(start)
+        raise AssertionError(f"convert_hf_to_gguf.py {' '.join(args)} failed:\n{self.log.read()[-3000:]}\n{error}")
+
+
+_CONVERTER = _Converter()
+
+
 def convert(hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
     """Convert `hf_dir` to the GGUF file `out` with llama.cpp's converter."""
-    converter = require_converter()
-    done = subprocess.run([sys.executable, str(converter), str(hf_dir), "--outfile", str(out), "--outtype", outtype],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        raise AssertionError(f"convert_hf_to_gguf.py failed on {hf_dir}:\n{done.stderr[-3000:]}")
+    _CONVERTER.run([str(hf_dir), "--outfile", str(out), "--outtype", outtype])
     return out
 
 

@@ -105,3 +105,15 @@ def test_converter_q8_0_native_matches_dequantized(name, converted):
     chosen = b.gather(-1, a.argmax(-1, keepdim=True)).squeeze(-1)
     assert (b.max(-1).values - chosen).max() <= 0.01 * span
     assert (a.argmax(-1) == b.argmax(-1)).sum() >= len(tokens) - 2
+
+
+def test_a_failed_conversion_says_why_and_the_next_one_runs(tmp_path, converted):
+    """The shared converter process reports a job's failure with the converter's own words and
+    stays usable (tests/converter_worker.py)."""
+    from converter import convert
+
+    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"]}')
+    with pytest.raises(AssertionError, match="NoSuchForCausalLM"):
+        convert(tmp_path, tmp_path / "no.gguf")
+    _, gguf = converted("llama")
+    assert load(str(gguf), with_tokenizer=False).model is not None

@@ -71,8 +71,33 @@ def _quiet_transformers() -> None:
 DIGIT_SPLIT_PRE = frozenset({"starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"})
 
 
-def _match_llama_cpp_split(hf: Any, model_path: str) -> None:
-    """Make `hf` (built by transformers from the GGUF at `model_path`) split text as llama.cpp
+def _gguf_model_type(metadata: dict) -> str:
+    """The transformers model type of a GGUF file's architecture, as transformers'
+    `load_gguf_checkpoint` names it for the architectures the loader takes (the same name, but
+    llama.cpp files Mistral as llama)."""
+    arch = str(metadata.get("general.architecture", ""))
+    if "llama" in arch and "mistral" in str(metadata.get("general.name", "")):
+        return "mistral"
+    return arch
+
+
+def _tokenizer_from_gguf(model_path: str, metadata: dict) -> Any:
+    """The tokenizer transformers builds from the GGUF's vocabulary, of the class AutoTokenizer
+    picks for the model type. Why not AutoTokenizer itself: to pick that class it reads the
+    model's whole config with gguf's pure-Python reader (every vocabulary entry a numpy view),
+    ~5 s of a ~5.5 s build for a 49k vocabulary; the tokenizer class reads only its fields
+    (tests/test_tokenizer_gguf.py checks both give the same saved tokenizer)."""
+    from transformers import AutoConfig, TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    config = AutoConfig.for_model(_gguf_model_type(metadata))
+    tokenizer_class = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
+    return tokenizer_class.from_pretrained(os.path.dirname(os.path.abspath(model_path)),
+                                           gguf_file=os.path.basename(model_path))
+
+
+def _match_llama_cpp_split(hf: Any, metadata: dict) -> None:
+    """Make `hf` (built by transformers from a GGUF file with `metadata`) split text as llama.cpp
     does with the same metadata, where transformers' conversion does not:
     - `tokenizer.ggml.pre` naming a digit-splitting pre-tokenizer (DIGIT_SPLIT_PRE);
     - a sentencepiece vocabulary with the space prefix (the default): sentencepiece and
@@ -80,9 +105,6 @@ def _match_llama_cpp_split(hf: Any, model_path: str) -> None:
       space ("  GNU" must be three spaces' worth of pieces, not two)."""
     from tokenizers import normalizers, pre_tokenizers
 
-    from .formats.gguf_check import read_header
-
-    metadata = read_header(model_path, os.path.getsize(model_path)).metadata
     backend = hf.backend_tokenizer
     if metadata.get("tokenizer.ggml.model") == "gpt2" and metadata.get("tokenizer.ggml.pre") in DIGIT_SPLIT_PRE:
         backend.pre_tokenizer = pre_tokenizers.Sequence([
@@ -113,12 +135,14 @@ def load_tokenizer(model_path: str, eos_token_ids: Iterable[int] = ()) -> Tokeni
         # the saved pipeline as it is: AutoTokenizer would pick the architecture's class
         # (Qwen2Tokenizer), which rebuilds its own pre-tokenizer over a sentencepiece vocabulary
         return Tokenizer(PreTrainedTokenizerFast.from_pretrained(str(saved)), eos_token_ids)
+    from .formats.gguf_check import read_header
+
+    metadata = read_header(model_path, os.path.getsize(model_path)).metadata
     try:
-        hf = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(model_path)),
-                                           gguf_file=os.path.basename(model_path))
+        hf = _tokenizer_from_gguf(model_path, metadata)
     except (ValueError, KeyError, OSError) as e:
         raise ModelFileError(f"{model_path}: cannot build a tokenizer from the GGUF metadata ({e})") from None
-    _match_llama_cpp_split(hf, model_path)
+    _match_llama_cpp_split(hf, metadata)
     tmp = saved.with_name(saved.name + f".tmp{os.getpid()}")
     hf.save_pretrained(str(tmp))
     if saved.exists():  # another process saved it first

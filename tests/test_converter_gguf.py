@@ -117,3 +117,24 @@ def test_a_failed_conversion_says_why_and_the_next_one_runs(tmp_path, converted)
         convert(tmp_path, tmp_path / "no.gguf")
     _, gguf = converted("llama")
     assert load(str(gguf), with_tokenizer=False).model is not None
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma2", "phi3", "mistral"])  # Qwen2, Gemma, sentencepiece, a renamed type
+def test_the_tokenizer_is_built_as_autotokenizer_builds_it(name, converted, tmp_path):
+    """`load_tokenizer` picks the tokenizer class without AutoTokenizer's slow read of the whole
+    config (powerinfer.tokenizer._tokenizer_from_gguf): the same class and the same saved files."""
+    from transformers import AutoTokenizer
+
+    from powerinfer.formats.gguf_check import read_header
+    from powerinfer.tokenizer import _tokenizer_from_gguf
+
+    _, gguf = converted(name)
+    ours = _tokenizer_from_gguf(str(gguf), read_header(str(gguf), gguf.stat().st_size).metadata)
+    auto = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    assert type(ours) is type(auto)
+    ours.save_pretrained(tmp_path / "ours")
+    auto.save_pretrained(tmp_path / "auto")
+    saved = sorted(p.name for p in (tmp_path / "auto").iterdir())
+    assert saved == sorted(p.name for p in (tmp_path / "ours").iterdir())
+    for file in saved:
+        assert (tmp_path / "ours" / file).read_bytes() == (tmp_path / "auto" / file).read_bytes(), file

@@ -76,10 +76,7 @@ def _dot8_c(w, stride, rows, x, d, out, pw, pw_row_bytes, pw_el, ahead, n_ahead)
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
     for jb in range(0, d, SPAN):
         n = min(SPAN, d - jb)
-        for i in range(n_ahead):
-            start = pw + ahead[i] * pw_row_bytes + jb * pw_el
-            for off in range(0, n * pw_el, 64):
-                prefetch_l3(start + off)
+        _prefetch_rows(pw, pw_row_bytes, pw_el, ahead, n_ahead, jb, n)
         s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
         for jj in range(n):
             j = np.uint64(jb + jj)
@@ -103,18 +100,80 @@ def _dot8_c(w, stride, rows, x, d, out, pw, pw_row_bytes, pw_el, ahead, n_ahead)
     out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7] = a0, a1, a2, a3, a4, a5, a6, a7
 
 
+@njit(inline="always")
+def _prefetch_rows(pw, pw_row_bytes, pw_el, ahead, n_ahead, jb, n):
+    """Prefetch elements [jb, jb + n) of the rows ahead[0:n_ahead] of the matrix at byte
+    address pw (rows pw_row_bytes apart, elements pw_el bytes)."""
+    for i in range(n_ahead):
+        start = pw + ahead[i] * pw_row_bytes + jb * pw_el
+        for off in range(0, n * pw_el, 64):
+            prefetch_l3(start + off)
+
+
+def _axpy8_c(w, stride, rows, coefs, d, acc, pw, pw_row_bytes, pw_el, ahead, n_ahead):
+    """acc[0:d] += sum_i coefs[i] * w[rows[i]] over eight rows, in spans of SPAN elements, each
+    span of the rows `ahead` prefetched first (the sparse kernels' next block)."""
+    b0, b1, b2, b3 = rows[0] * stride, rows[1] * stride, rows[2] * stride, rows[3] * stride
+    b4, b5, b6, b7 = rows[4] * stride, rows[5] * stride, rows[6] * stride, rows[7] * stride
+    s0, s1, s2, s3, s4, s5, s6, s7 = coefs[0], coefs[1], coefs[2], coefs[3], coefs[4], coefs[5], coefs[6], coefs[7]
+    for jb in range(0, d, SPAN):
+        n = min(SPAN, d - jb)
+        _prefetch_rows(pw, pw_row_bytes, pw_el, ahead, n_ahead, jb, n)
+        for jj in range(n):
+            j = np.uint64(jb + jj)
+            acc[j] += (s0 * widen(w[b0 + j]) + s1 * widen(w[b1 + j]) + s2 * widen(w[b2 + j])
+                       + s3 * widen(w[b3 + j]) + s4 * widen(w[b4 + j]) + s5 * widen(w[b5 + j])
+                       + s6 * widen(w[b6 + j]) + s7 * widen(w[b7 + j]))
+
+
+def _axpy_c(w, stride, rows, coefs, n, d, acc):
+    """acc[0:d] += sum_i coefs[i] * w[rows[i]] over n rows, one row at a time."""
+    for i in range(n):
+        b, s = rows[i] * stride, coefs[i]
+        for j in range(d):
+            acc[j] += s * widen(w[b + j])
+
+
+def _axpy4_c(w, stride, rows, s0, s1, s2, s3, d, acc):
+    """acc[0:d] += s0 * w[rows[0]] + ... + s3 * w[rows[3]] in one pass: four row streams."""
+    b0, b1, b2, b3 = rows[0] * stride, rows[1] * stride, rows[2] * stride, rows[3] * stride
+    for j in range(d):
+        acc[j] += (s0 * widen(w[b0 + j]) + s1 * widen(w[b1 + j])) + (s2 * widen(w[b2 + j]) + s3 * widen(w[b3 + j]))
+
+
+def _pair_dots_c(wg, wu, stride, rows, x, d, out):
+    """(wg[r0] . x, wu[r0] . x, wg[r1] . x, wu[r1] . x) for rows (r0, r1) of two matrices of one
+    dtype and row stride, in one pass over x: a gated FFN's two neurons, four row streams."""
+    b0, b1 = rows[0] * stride, rows[1] * stride
+    g0 = u0 = g1 = u1 = np.float32(0.0)
+    for j in range(d):
+        xj = x[j]
+        g0 += widen(wg[b0 + j]) * xj
+        u0 += widen(wu[b0 + j]) * xj
+        g1 += widen(wg[b1 + j]) * xj
+        u1 += widen(wu[b1 + j]) * xj
+    out[0], out[1], out[2], out[3] = g0, u0, g1, u1
+
+
 _WEIGHT_DTYPES = {"float32": types.float32, "uint16": types.uint16, "int16": types.int16}
+WEIGHT_CODES = {name: code for code, name in enumerate(_WEIGHT_DTYPES)}  # a weight view's dtype as an integer
 _I64, _I64P, _F32P = types.int64, types.CPointer(types.int64), types.CPointer(types.float32)
+_F32 = types.float32
 _CALLS: dict[tuple[str, str], object] = {}  # (kernel, weight dtype) -> its symbol call
 
 
 def _build() -> None:
     for name, dt in _WEIGHT_DTYPES.items():
         wp = types.CPointer(dt)
+        prefetch = (_I64, _I64, _I64, _I64P, _I64)  # the matrix read next, its row and element bytes, rows, count
         for kernel, body, sig, results in (
                 ("row_dot", _row_dot_c, types.void(wp, _I64, _I64, _F32P, _I64, _F32P), 1),
                 ("dot4", _dot4_c, types.void(wp, _I64, _I64P, _F32P, _I64, _F32P), 4),
-                ("dot8", _dot8_c, types.void(wp, _I64, _I64P, _F32P, _I64, _F32P, _I64, _I64, _I64, _I64P, _I64), 0)):
+                ("dot8", _dot8_c, types.void(wp, _I64, _I64P, _F32P, _I64, _F32P, *prefetch), 0),
+                ("axpy8", _axpy8_c, types.void(wp, _I64, _I64P, _F32P, _I64, _F32P, *prefetch), 0),
+                ("axpy", _axpy_c, types.void(wp, _I64, _I64P, _F32P, _I64, _I64, _F32P), 0),
+                ("axpy4", _axpy4_c, types.void(wp, _I64, _I64P, _F32, _F32, _F32, _F32, _I64, _F32P), 0),
+                ("pair_dots", _pair_dots_c, types.void(wp, wp, _I64, _I64P, _F32P, _I64, _F32P), 4)):
             _CALLS[kernel, name] = c_function(f"powerinfer_{kernel}_{name}", body, sig, results, fastmath=True)
 
 
@@ -190,3 +249,49 @@ def _ol_dot8_prefetch(w, rows, x, t, out, pw, ahead):
               pw.ctypes.data, pw.strides[0], pw.itemsize, ahead.ctypes.data, ahead.shape[0]))
 
     return impl
+
+
+# -- the same C functions for kernels compiled once for every weight dtype -------------------
+# A weight matrix as `weight_ref` gives it: (byte address, rows, columns, row stride in
+# elements, dtype code). Kernels taking weights so compile once instead of once per dtype
+# (the sparse kernels: ~60 s of compile per dtype on a cold cache); each call below picks the
+# dtype's C function at run time, one branch per call of a row-long loop.
+def weight_ref(w: np.ndarray) -> tuple[int, int, int, int, int]:
+    """(address, rows, columns, row stride in elements, dtype code) of a 2-D weight view in
+    `numpy_weights` encoding whose rows are contiguous. The caller keeps `w` alive while a
+    kernel uses the reference."""
+    if w.ndim != 2 or str(w.dtype) not in WEIGHT_CODES or (w.shape[1] > 1 and w.strides[1] != w.itemsize):
+        raise TypeError(f"weights must be a 2-D fp32, uint16 (bf16) or int16 (fp16) array with contiguous rows, "
+                        f"not {w.dtype} {w.shape} strides {w.strides}")
+    return (w.ctypes.data, w.shape[0], w.shape[1], w.strides[0] // w.itemsize, WEIGHT_CODES[str(w.dtype)])
+
+
+def _by_code(kernel: str):
+    """A function f(code, args) that numba kernels call: the C function `kernel` of the weight
+    dtype `code` (WEIGHT_CODES) with the tuple args, as its symbol call takes them."""
+    def by_code(code, args):  # pragma: no cover - only its numba overload runs
+        raise NotImplementedError(f"{kernel} by code is for numba kernels")
+
+    f32, bf16, f16 = (_CALLS[kernel, name] for name in _WEIGHT_DTYPES)
+
+    @overload(by_code, inline="always")
+    def _ol(code, args):
+        def impl(code, args):
+            if code == 0:
+                return f32(args)
+            if code == 1:
+                return bf16(args)
+            return f16(args)
+        return impl
+
+    by_code.__name__ = f"{kernel}_by_code"
+    return by_code
+
+
+row_dot_by_code = _by_code("row_dot")
+dot4_by_code = _by_code("dot4")
+dot8_by_code = _by_code("dot8")
+axpy8_by_code = _by_code("axpy8")
+axpy_by_code = _by_code("axpy")
+axpy4_by_code = _by_code("axpy4")
+pair_dots_by_code = _by_code("pair_dots")

@@ -20,8 +20,8 @@ from numba import njit, prange
 
 from .criterion import GATE
 from .cpu import _act, gated_value
-from .numba_half import widen
-from .row_dots import SPAN, dot4, dot8_prefetch, prefetch_l3, row_dot, row_dot_at
+from .row_dots import (axpy4_by_code, axpy8_by_code, axpy_by_code, dot4_by_code, dot8_by_code, pair_dots_by_code,
+                       row_dot_by_code, weight_ref)
 
 
 # Rows are processed several at a time: independent streams per thread keep more memory
@@ -31,18 +31,44 @@ ROW_BLOCK = 8
 AXPY_BLOCK = 8
 SHORT_ROW = 1024  # row length (elements) up to which dense-ish sets are read sequentially
 
-
-@njit(inline="always", fastmath=True)
-def _prefetch_span(pw, rows, n_rows, jb, n):
-    """Prefetch elements [jb, jb + n) of the first n_rows rows `rows` of matrix `pw`."""
-    base, row_bytes, el = pw.ctypes.data, pw.strides[0], pw.strides[1]
-    for i in range(n_rows):
-        start = base + rows[i] * row_bytes + jb * el
-        for off in range(0, n * el, 64):
-            prefetch_l3(start + off)
+# The kernels take each weight matrix as a reference, `row_dots.weight_ref`: (address, rows,
+# columns, row stride, dtype code), and read it only through the row dots' C functions, so
+# each kernel compiles once for fp32, bf16 and fp16 weights (per dtype they had been ~60 s of
+# a cold start's compile). The wrappers at the end take the numpy weight views as before.
+ADDR, N_ROWS, N_COLS, STRIDE, CODE = 0, 1, 2, 3, 4
 
 
-@njit(inline="always", fastmath=True)
+@njit(inline="always")
+def _el_bytes(w):
+    return 4 if w[CODE] == 0 else 2
+
+
+@njit(inline="always")
+def _x_at(x, t):
+    """Address of row t of the C array x (T, d)."""
+    return x.ctypes.data + t * x.strides[0]
+
+
+@njit(inline="always")
+def _dot(w, r, x, t):
+    """w[r] . x[t] (fp32 accumulation)."""
+    return row_dot_by_code(w[CODE], (w[ADDR], w[STRIDE], r, _x_at(x, t), x.shape[1]))[0]
+
+
+@njit(inline="always")
+def _dot4(w, r0, r1, r2, r3, x, t):
+    return dot4_by_code(w[CODE], (w[ADDR], w[STRIDE], (r0, r1, r2, r3), _x_at(x, t), x.shape[1]))
+
+
+@njit(inline="always")
+def _dot8(w, rows, x, t, out_addr, pw, ahead, n_ahead):
+    """The eight dots w[rows[i]] . x[t] into float32s at out_addr, prefetching the first
+    n_ahead rows of `ahead` in matrix pw (the rows read next)."""
+    dot8_by_code(w[CODE], (w[ADDR], w[STRIDE], rows.ctypes.data, _x_at(x, t), x.shape[1], out_addr, pw[ADDR],
+                           pw[STRIDE] * _el_bytes(pw), _el_bytes(pw), ahead.ctypes.data, n_ahead))
+
+
+@njit(inline="always")
 def _block_rows(idx, k0, k, dense, rows):
     """rows[0:8] = the rows of active-set entries k0..k0+7; False (rows untouched) when the
     set has fewer than eight entries from k0."""
@@ -53,7 +79,7 @@ def _block_rows(idx, k0, k, dense, rows):
     return True
 
 
-@njit(inline="always", fastmath=True)
+@njit(inline="always")
 def _row_of(idx, kk, dense):
     return np.int64(kk) if dense else np.int64(idx[kk])
 
@@ -69,12 +95,12 @@ def _finish_row(v, r, bias, act_id):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def row_gemv(w, x, idx, bias, act_id, out):
-    """out[t, k] = act(W[idx[k]] . x[t] + bias[idx[k]]); empty idx = all rows, act_id < 0 = none."""
+def _row_gemv(w, x, idx, bias, act_id, out):
+    """`row_gemv` with w a weight reference."""
     T = x.shape[0]
     dense = idx.shape[0] == 0
-    k = w.shape[0] if dense else idx.shape[0]
-    if 2 * k >= w.shape[0] and w.shape[1] <= SHORT_ROW:
+    k = w[N_ROWS] if dense else idx.shape[0]
+    if 2 * k >= w[N_ROWS] and w[N_COLS] <= SHORT_ROW:
         # Dense-ish sets of short rows: step kk reads rows kk, kk + q, kk + 2q, kk + 3q of the
         # set (q = k/4), so each thread reads four distant sequential streams (cpu.add_matvec;
         # at d = 4096 the eight-row blocks below win).
@@ -83,7 +109,7 @@ def row_gemv(w, x, idx, bias, act_id, out):
             r0, r1 = _row_of(idx, kk, dense), _row_of(idx, kk + q, dense)
             r2, r3 = _row_of(idx, kk + 2 * q, dense), _row_of(idx, kk + 3 * q, dense)
             for t in range(T):
-                v0, v1, v2, v3 = dot4(w, r0, r1, r2, r3, x[t])
+                v0, v1, v2, v3 = _dot4(w, r0, r1, r2, r3, x, t)
                 out[t, kk] = _finish_row(v0, r0, bias, act_id)
                 out[t, kk + q] = _finish_row(v1, r1, bias, act_id)
                 out[t, kk + 2 * q] = _finish_row(v2, r2, bias, act_id)
@@ -91,22 +117,22 @@ def row_gemv(w, x, idx, bias, act_id, out):
         for kk in range(4 * q, k):
             r = _row_of(idx, kk, dense)
             for t in range(T):
-                out[t, kk] = _finish_row(row_dot_at(w, r, x, t), r, bias, act_id)
+                out[t, kk] = _finish_row(_dot(w, r, x, t), r, bias, act_id)
         return
     for b in prange((k + ROW_BLOCK - 1) // ROW_BLOCK):
         k0 = b * ROW_BLOCK
         rows = np.empty(ROW_BLOCK, dtype=np.int64)
         if _block_rows(idx, k0, k, dense, rows):
             ahead = np.empty(ROW_BLOCK, dtype=np.int64)
-            if not _block_rows(idx, k0 + ROW_BLOCK, k, dense, ahead):
-                ahead = ahead[:0]
+            more = _block_rows(idx, k0 + ROW_BLOCK, k, dense, ahead)
             for t in range(T):  # the next block's rows are prefetched once, with the first token
-                dot8_prefetch(w, rows, x, t, out[t, k0 : k0 + ROW_BLOCK], w, ahead if t == 0 else ahead[:0])
+                _dot8(w, rows, x, t, out.ctypes.data + t * out.strides[0] + 4 * k0, w, ahead,
+                      ROW_BLOCK if more and t == 0 else 0)
         else:
             for kk in range(k0, k):
                 r = _row_of(idx, kk, dense)
                 for t in range(T):
-                    out[t, kk] = row_dot_at(w, r, x, t)
+                    out[t, kk] = _dot(w, r, x, t)
         for kk in range(k0, min(k0 + ROW_BLOCK, k)):
             r = _row_of(idx, kk, dense)
             for t in range(T):
@@ -124,30 +150,7 @@ def _reduce_chunks(acc, out, accumulate):
             out[t, j] = out[t, j] + s if accumulate else s
 
 
-@njit(inline="always", fastmath=True)
-def _axpy_block(wt, rows, coefs, n, acc_row, ahead, n_ahead):
-    """acc_row += sum_i coefs[i] * wt[rows[i]] for the first n (<= AXPY_BLOCK) entries, while
-    prefetching the first n_ahead rows of `ahead` (the next block's; see _dot8)."""
-    d = acc_row.shape[0]
-    if n == AXPY_BLOCK:
-        r0, r1, r2, r3, r4, r5, r6, r7 = rows[0], rows[1], rows[2], rows[3], rows[4], rows[5], rows[6], rows[7]
-        s0, s1, s2, s3, s4, s5, s6, s7 = coefs[0], coefs[1], coefs[2], coefs[3], coefs[4], coefs[5], coefs[6], coefs[7]
-        for jb in range(0, d, SPAN):
-            m = min(SPAN, d - jb)
-            _prefetch_span(wt, ahead, n_ahead, jb, m)
-            for jj in range(m):
-                j = np.uint64(jb + jj)  # unsigned: see row_dots.SPAN
-                acc_row[j] += (s0 * widen(wt[r0, j]) + s1 * widen(wt[r1, j]) + s2 * widen(wt[r2, j])
-                               + s3 * widen(wt[r3, j]) + s4 * widen(wt[r4, j]) + s5 * widen(wt[r5, j])
-                               + s6 * widen(wt[r6, j]) + s7 * widen(wt[r7, j]))
-    else:
-        for i in range(n):
-            r, s = rows[i], coefs[i]
-            for j in range(d):
-                acc_row[j] += s * widen(wt[r, j])
-
-
-@njit(inline="always", fastmath=True)
+@njit(inline="always")
 def _axpy_rows_sequential(wt, idx, coefs, lo, hi, acc_row):
     """acc_row += sum_k coefs[k] * wt[idx[k]] over k in [lo, hi) into a local accumulator,
     reading four distant parts of [lo, hi) as four interleaved sequential streams (more
@@ -159,28 +162,25 @@ def _axpy_rows_sequential(wt, idx, coefs, lo, hi, acc_row):
     local = np.zeros(d, dtype=np.float32)
     q = (hi - lo) // 4
     for kk in range(lo, lo + q):
-        r0, r1 = np.int64(idx[kk]), np.int64(idx[kk + q])
-        r2, r3 = np.int64(idx[kk + 2 * q]), np.int64(idx[kk + 3 * q])
-        s0, s1, s2, s3 = coefs[kk], coefs[kk + q], coefs[kk + 2 * q], coefs[kk + 3 * q]
-        for j in range(d):
-            local[j] += (s0 * widen(wt[r0, j]) + s1 * widen(wt[r1, j])) + (s2 * widen(wt[r2, j]) + s3 * widen(wt[r3, j]))
+        rows = (np.int64(idx[kk]), np.int64(idx[kk + q]), np.int64(idx[kk + 2 * q]), np.int64(idx[kk + 3 * q]))
+        axpy4_by_code(wt[CODE], (wt[ADDR], wt[STRIDE], rows, coefs[kk], coefs[kk + q], coefs[kk + 2 * q],
+                                 coefs[kk + 3 * q], d, local.ctypes.data))
+    row, coef = np.empty(1, dtype=np.int64), np.empty(1, dtype=np.float32)
     for kk in range(lo + 4 * q, hi):
-        s = coefs[kk]
-        r = np.int64(idx[kk])
-        for j in range(d):
-            local[j] += s * widen(wt[r, j])
+        row[0], coef[0] = np.int64(idx[kk]), coefs[kk]
+        axpy_by_code(wt[CODE], (wt[ADDR], wt[STRIDE], row.ctypes.data, coef.ctypes.data, 1, d, local.ctypes.data))
     for j in range(d):
         acc_row[j] += local[j]
 
 
-@njit(inline="always", fastmath=True)
+@njit(inline="always")
 def _sequential_axpy(wt, k):
     """Whether an AXPY over k of wt's rows takes the streamed sequential route (>= 50% of
     short rows; d = 576, bf16, 30 matrices cycled: 66% of rows 85 vs 104 us for the blocks)."""
-    return 2 * k >= wt.shape[0] and wt.shape[1] <= SHORT_ROW
+    return 2 * k >= wt[N_ROWS] and wt[N_COLS] <= SHORT_ROW
 
 
-@njit(inline="always", fastmath=True)
+@njit(inline="always")
 def _next_nonzero(idx, coefs, kk, hi, rows, blk):
     """Queue the next (up to AXPY_BLOCK) entries from kk on whose coefficient is not zero
     into rows/blk; returns (how many, where the scan stopped)."""
@@ -205,23 +205,25 @@ def _down_chunk(wt, idx, coefs, lo, hi, acc_row, sequential):
     if sequential:
         _axpy_rows_sequential(wt, idx, coefs, lo, hi, acc_row)
         return
+    d = acc_row.shape[0]
     rows, nxt = np.empty(AXPY_BLOCK, dtype=np.int64), np.empty(AXPY_BLOCK, dtype=np.int64)
     blk, nxt_blk = np.empty(AXPY_BLOCK, dtype=np.float32), np.empty(AXPY_BLOCK, dtype=np.float32)
     n, kk = _next_nonzero(idx, coefs, lo, hi, rows, blk)
     while n == AXPY_BLOCK:
         n_next, kk = _next_nonzero(idx, coefs, kk, hi, nxt, nxt_blk)
-        _axpy_block(wt, rows, blk, n, acc_row, nxt, n_next)
+        axpy8_by_code(wt[CODE], (wt[ADDR], wt[STRIDE], rows.ctypes.data, blk.ctypes.data, d, acc_row.ctypes.data,
+                                 wt[ADDR], wt[STRIDE] * _el_bytes(wt), _el_bytes(wt), nxt.ctypes.data, n_next))
         rows, nxt = nxt, rows
         blk, nxt_blk = nxt_blk, blk
         n = n_next
-    _axpy_block(wt, rows, blk, n, acc_row, nxt, 0)
+    axpy_by_code(wt[CODE], (wt[ADDR], wt[STRIDE], rows.ctypes.data, blk.ctypes.data, n, d, acc_row.ctypes.data))
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def col_axpy(wt, a, idx, n_chunks, out, accumulate):
-    """out[t] (+)= sum_k a[t, k] * Wt[idx[k]]; zero coefficients skip their row."""
+def _col_axpy(wt, a, idx, n_chunks, out, accumulate):
+    """`col_axpy` with wt a weight reference."""
     T, k = a.shape
-    d = wt.shape[1]
+    d = wt[N_COLS]
     acc = np.zeros((n_chunks, T, d), dtype=np.float32)
     sequential = _sequential_axpy(wt, k)
     for c in prange(n_chunks):
@@ -232,29 +234,25 @@ def col_axpy(wt, a, idx, n_chunks, out, accumulate):
 
 
 @njit(inline="always", fastmath=True)
-def _neuron_value(w_gate, w_up, r, x, act_id, up_act_id, criterion, threshold):
-    """One gated neuron's value act(g) * up_act(u) for one token x (d,), 0 when off by the
+def _neuron_value(w_gate, w_up, r, x, t, act_id, up_act_id, criterion, threshold):
+    """One gated neuron's value act(g) * up_act(u) for token x[t], 0 when off by the
     criterion (GATE: |act(g)| <= threshold, its up row then not read; GATE_UP: |act(g) * u| <= threshold)."""
-    a = _act(row_dot(w_gate, r, x), act_id)
+    a = _act(_dot(w_gate, r, x, t), act_id)
     if criterion == GATE and abs(a) <= threshold:
         return np.float32(0.0)
-    return gated_value(a, row_dot(w_up, r, x), up_act_id, criterion, threshold)
+    return gated_value(a, _dot(w_up, r, x, t), up_act_id, criterion, threshold)
 
 
 @njit(fastmath=True, cache=True)
-def _neuron_pair(w_gate, w_up, r0, r1, x, act_id, up_act_id, criterion, threshold):
-    """Two neurons' values (as `_neuron_value`) in one pass over x: four row streams. Called,
-    not inlined: inlining it into gated_ffn cost ~12 s of compile per weight dtype."""
-    if criterion == GATE:  # up rows are read only for neurons the gate keeps
-        return (_neuron_value(w_gate, w_up, r0, x, act_id, up_act_id, criterion, threshold),
-                _neuron_value(w_gate, w_up, r1, x, act_id, up_act_id, criterion, threshold))
-    g0 = u0 = g1 = u1 = np.float32(0.0)
-    for j in range(x.shape[0]):
-        xj = x[j]
-        g0 += widen(w_gate[r0, j]) * xj
-        u0 += widen(w_up[r0, j]) * xj
-        g1 += widen(w_gate[r1, j]) * xj
-        u1 += widen(w_up[r1, j]) * xj
+def _neuron_pair(w_gate, w_up, r0, r1, x, t, act_id, up_act_id, criterion, threshold):
+    """Two neurons' values (as `_neuron_value`) in one pass over x[t]: four row streams. Called,
+    not inlined (compile time)."""
+    if criterion == GATE or w_gate[CODE] != w_up[CODE] or w_gate[STRIDE] != w_up[STRIDE]:
+        # under GATE up rows are read only for neurons the gate keeps
+        return (_neuron_value(w_gate, w_up, r0, x, t, act_id, up_act_id, criterion, threshold),
+                _neuron_value(w_gate, w_up, r1, x, t, act_id, up_act_id, criterion, threshold))
+    g0, u0, g1, u1 = pair_dots_by_code(w_gate[CODE], (w_gate[ADDR], w_up[ADDR], w_gate[STRIDE], (r0, r1), _x_at(x, t),
+                                                       x.shape[1]))
     return (gated_value(_act(g0, act_id), u0, up_act_id, criterion, threshold),
             gated_value(_act(g1, act_id), u1, up_act_id, criterion, threshold))
 
@@ -280,10 +278,10 @@ def _gate_then_up(w_gate, w_up, x, idx, lo, hi, act_id, up_act_id, threshold, h)
         k1 = min(k0 + ROW_BLOCK, hi)
         if _block_rows(idx, k0, hi, False, rows):
             more = _block_rows(idx, k0 + ROW_BLOCK, hi, False, ahead)
-            dot8_prefetch(w_gate, rows, x, 0, gates, w_gate, ahead if more else ahead[:0])
+            _dot8(w_gate, rows, x, 0, gates.ctypes.data, w_gate, ahead, ROW_BLOCK if more else 0)
         else:
             for kk in range(k0, k1):
-                gates[kk - k0] = row_dot_at(w_gate, np.int64(idx[kk]), x, 0)
+                gates[kk - k0] = _dot(w_gate, np.int64(idx[kk]), x, 0)
         for kk in range(k0, k1):
             a = _act(gates[kk - k0], act_id)
             if abs(a) <= threshold:
@@ -292,34 +290,25 @@ def _gate_then_up(w_gate, w_up, x, idx, lo, hi, act_id, up_act_id, threshold, h)
             q_rows[n], q_k[n], q_a[n] = np.int64(idx[kk]), kk, a
             n += 1
             if n == ROW_BLOCK:
-                dot8_prefetch(w_up, q_rows, x, 0, ups, w_up, q_rows[:0])
+                _dot8(w_up, q_rows, x, 0, ups.ctypes.data, w_up, q_rows, 0)
                 for i in range(ROW_BLOCK):
                     h[q_k[i]] = gated_value(q_a[i], ups[i], up_act_id, 1, threshold)
                 n = 0
     for i in range(n):
-        h[q_k[i]] = gated_value(q_a[i], row_dot_at(w_up, q_rows[i], x, 0), up_act_id, 1, threshold)
+        h[q_k[i]] = gated_value(q_a[i], _dot(w_up, q_rows[i], x, 0), up_act_id, 1, threshold)
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def gated_ffn(w_gate, w_up, wt_down, x, idx, act_id, up_act_id, criterion, threshold, n_chunks, h, out,
-              accumulate):
-    """The fused gated FFN over an active set, in one call:
-    g = W_gate[i].x, a = act(g), u = W_up[i].x (up_act optional), h = a*u, out += h * Wt_down[i].
-
-    criterion (ops/criterion.py) NONE: no threshold; GATE: |a| <= threshold -> neuron off, its up row is not read
-    (CATS; exact for a ReLU gate at threshold 0; at decode the kept neurons' up rows are read
-    eight at a time, `_gate_then_up`); GATE_UP: |a*u| <= threshold -> off. Off neurons skip their
-    down row. `h` (T, k) gets
-    the neuron values (0 when off). Each thread walks its chunk of the active set in blocks
-    of eight neurons: gate rows, then up rows, then down rows.
-    """
+def _gated_ffn(w_gate, w_up, wt_down, x, idx, act_id, up_act_id, criterion, threshold, n_chunks, h, out,
+               accumulate):
+    """`gated_ffn` with the weights as references."""
     T = x.shape[0]
     k = idx.shape[0]
-    d_out = wt_down.shape[1]
+    d_out = wt_down[N_COLS]
     # Dense-ish sets have mostly adjacent rows: reading them one after another is one long
     # sequential stream, which beats eight interleaved short ones (measured at SmolLM2's
     # shape: all rows 218 vs 302 us, 66% about equal, 30% 153 vs 129 us in favour of eight).
-    sequential = 2 * k >= w_gate.shape[0] and w_gate.shape[1] <= SHORT_ROW
+    sequential = 2 * k >= w_gate[N_ROWS] and w_gate[N_COLS] <= SHORT_ROW
     sequential_down = _sequential_axpy(wt_down, k)
     acc = np.zeros((n_chunks, T, d_out), dtype=np.float32)
     if sequential:
@@ -331,11 +320,11 @@ def gated_ffn(w_gate, w_up, wt_down, x, idx, act_id, up_act_id, criterion, thres
         for kk in prange(q):
             r0, r1 = np.int64(idx[kk]), np.int64(idx[kk + q])
             for t in range(T):
-                h[t, kk], h[t, kk + q] = _neuron_pair(w_gate, w_up, r0, r1, x[t], act_id, up_act_id, criterion,
+                h[t, kk], h[t, kk + q] = _neuron_pair(w_gate, w_up, r0, r1, x, t, act_id, up_act_id, criterion,
                                                       threshold)
         for kk in range(2 * q, k):
             for t in range(T):
-                h[t, kk] = _neuron_value(w_gate, w_up, np.int64(idx[kk]), x[t], act_id, up_act_id, criterion,
+                h[t, kk] = _neuron_value(w_gate, w_up, np.int64(idx[kk]), x, t, act_id, up_act_id, criterion,
                                          threshold)
         for c in prange(n_chunks):
             lo, hi = c * k // n_chunks, (c + 1) * k // n_chunks
@@ -360,25 +349,54 @@ def gated_ffn(w_gate, w_up, wt_down, x, idx, act_id, up_act_id, criterion, thres
                 if full:
                     # prefetch, with the first token: the up rows of this block while the gate
                     # rows are read, then the next block's gate rows while the up rows are
-                    nxt = ahead if more and t == 0 else ahead[:0]
+                    n_next = ROW_BLOCK if more and t == 0 else 0
+                    h_at = h.ctypes.data + t * h.strides[0] + 4 * k0
                     if criterion != GATE:  # every up row is read anyway: eight at a time
-                        dot8_prefetch(w_gate, rows, x, t, h[t, k0:k1], w_up, rows if t == 0 else rows[:0])
-                        dot8_prefetch(w_up, rows, x, t, ups, w_gate, nxt)
+                        _dot8(w_gate, rows, x, t, h_at, w_up, rows, ROW_BLOCK if t == 0 else 0)
+                        _dot8(w_up, rows, x, t, ups.ctypes.data, w_gate, ahead, n_next)
                     else:
-                        dot8_prefetch(w_gate, rows, x, t, h[t, k0:k1], w_gate, nxt)
+                        _dot8(w_gate, rows, x, t, h_at, w_gate, ahead, n_next)
                 else:
                     for kk in range(k0, k1):
-                        h[t, kk] = row_dot_at(w_gate, np.int64(idx[kk]), x, t)
+                        h[t, kk] = _dot(w_gate, np.int64(idx[kk]), x, t)
                 for kk in range(k0, k1):
                     a = _act(h[t, kk], act_id)
                     if criterion == GATE and abs(a) <= threshold:
                         h[t, kk] = 0.0
                         continue
-                    u = ups[kk - k0] if full and criterion != GATE else row_dot_at(w_up, np.int64(idx[kk]), x, t)
+                    u = ups[kk - k0] if full and criterion != GATE else _dot(w_up, np.int64(idx[kk]), x, t)
                     h[t, kk] = gated_value(a, u, up_act_id, criterion, threshold)
         for t in range(T):
             _down_chunk(wt_down, idx, h[t], lo, hi, acc[c, t], sequential_down)
     _reduce_chunks(acc, out, accumulate)
+
+
+def row_gemv(w: np.ndarray, x: np.ndarray, idx: np.ndarray, bias: np.ndarray, act_id: int, out: np.ndarray) -> None:
+    """out[t, k] = act(W[idx[k]] . x[t] + bias[idx[k]]); empty idx = all rows, act_id < 0 = none.
+    W in `numpy_weights` encoding, x (T, d) and out (T, k) fp32 C arrays."""
+    _row_gemv(weight_ref(w), x, idx, bias, act_id, out)
+
+
+def col_axpy(wt: np.ndarray, a: np.ndarray, idx: np.ndarray, n_chunks: int, out: np.ndarray,
+             accumulate: bool) -> None:
+    """out[t] (+)= sum_k a[t, k] * Wt[idx[k]]; zero coefficients skip their row."""
+    _col_axpy(weight_ref(wt), a, idx, n_chunks, out, accumulate)
+
+
+def gated_ffn(w_gate: np.ndarray, w_up: np.ndarray, wt_down: np.ndarray, x: np.ndarray, idx: np.ndarray, act_id: int,
+              up_act_id: int, criterion: int, threshold: np.float32, n_chunks: int, h: np.ndarray, out: np.ndarray,
+              accumulate: bool) -> None:
+    """The fused gated FFN over an active set, in one call:
+    g = W_gate[i].x, a = act(g), u = W_up[i].x (up_act optional), h = a*u, out += h * Wt_down[i].
+
+    criterion (ops/criterion.py) NONE: no threshold; GATE: |a| <= threshold -> neuron off, its up row is not read
+    (CATS; exact for a ReLU gate at threshold 0; at decode the kept neurons' up rows are read
+    eight at a time, `_gate_then_up`); GATE_UP: |a*u| <= threshold -> off. Off neurons skip their
+    down row. `h` (T, k) gets the neuron values (0 when off). Each thread walks its chunk of the
+    active set in blocks of eight neurons: gate rows, then up rows, then down rows.
+    """
+    _gated_ffn(weight_ref(w_gate), weight_ref(w_up), weight_ref(wt_down), x, idx, act_id, up_act_id, criterion,
+               threshold, n_chunks, h, out, accumulate)
 
 
 @njit(cache=True)

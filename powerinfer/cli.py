@@ -60,15 +60,25 @@ class OneLineParser(argparse.ArgumentParser):
         raise UsageError(message, self.prog)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser. Only the subcommand `command` gets its flags (None: every one): a
+    subcommand's module imports torch and numba's kernels (~4.5 s), which `powerinfer --help`
+    or a mistyped subcommand should not wait for."""
     parser = OneLineParser(prog="powerinfer", description="PowerInfer-style LLM inference")
     sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND", parser_class=OneLineParser)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        if command is None or name == command:
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
     return parser
+
+
+def subcommand(argv: list[str]) -> str:
+    """The subcommand `argv` names: its first word that is not a flag ('' when none; the
+    top level has no flag that takes a value)."""
+    return next((a for a in argv if not a.startswith("-")), "")
 
 
 def model_flag(argv: list[str]) -> str | None:
@@ -93,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"powerinfer: error: {model}: {e}", file=sys.stderr)
             return 2
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(subcommand(argv)).parse_args(argv)
     except UsageError as e:
         print(f"powerinfer: error: {e}", file=sys.stderr)
         print(f"(see `{e.prog} --help`)", file=sys.stderr)

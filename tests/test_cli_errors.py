@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -208,3 +210,16 @@ def test_flag_errors_name_the_flag(argv, fragment):
     code, err = run_main(argv)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 2 and fragment in lines[0] and lines[1].startswith("(see ")
+
+
+def test_help_and_a_mistyped_subcommand_answer_without_loading_torch():
+    """Only the named subcommand's module is imported (cli.build_parser): `powerinfer --help`
+    and an unknown subcommand answer at once instead of after torch and the kernels load."""
+    code = ("import contextlib, io, sys\nfrom powerinfer.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:\n"
+            "    try:\n        main(['--help'])\n    except SystemExit as e:\n        assert e.code == 0\n"
+            "    assert main(['genrate']) == 2\n"
+            "assert \"invalid choice: 'genrate'\" in err.getvalue(), err.getvalue()\n"
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "False", done.stderr

@@ -7,7 +7,9 @@ as int16), widened to fp32 and accumulated in fp32; rows, activations and `dot8_
 index and output arrays must be contiguous (not checked: see `_stride`). The
 kernels: `row_dot` (one row), `dot4` (four rows in one pass over x: four row streams, see
 cpu.add_matvec), `dot8_prefetch` (eight rows, prefetching the rows to be read next; the
-sparse kernels' blocks).
+sparse kernels' blocks). For kernels compiled once for every weight dtype (sparse_cpu) the
+same C functions and the AXPYs (`axpy8`, `axpy`, `axpy4`) and a gated neuron pair's dots
+(`pair_dots`) are called as `*_by_code(dtype code, args)` on a `weight_ref`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ or not: the callee's LLVM IR is linked in, optimized again and turned into machi
 again, once for each caller and each of their callers. The block dots (`lane_ir`,
 `block_ir`) are most of a quantized kernel's code, every format in one function, and with
 the team kernels calling them three levels deep a cold test run spent most of its minutes
-recompiling them (docs/BENCHMARKS.md "Suite time"). Here such a dot is compiled once as a C
+recompiling them (docs/BENCHMARKS.md "Test suite time"). Here such a dot is compiled once as a C
 function (`numba.cfunc`, cached on disk like the kernels) and registered under a symbol with
 LLVM's JIT, the way numba's own runtime functions are; a kernel's IR then holds only the call,
 which a cached kernel resolves again when it is loaded in another process (the symbol is

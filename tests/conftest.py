@@ -43,6 +43,21 @@ if os.environ.get("POWERINFER_COMPILE_LOG"):  # diagnostics: which numba kernels
     _numba_event.register("numba:compile", _CompileLog())
 
 
+# The C functions (ops/symbols.py) are compiled at import under a lock per module, ~55 s on a
+# cold cache: imported in one order by both test workers, one compiled them all while the
+# other waited at each lock. Each worker starts with a different independent chain (lane_ir
+# needs block_ir; cpu needs row_dots), so the two compile side by side; the other chain is
+# then loaded from the cache. The same work in either order.
+_CHAINS = ["powerinfer.ops.lane_ir", "powerinfer.ops.cpu"]
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and _WORKER[2:].isdigit():
+    import importlib
+
+    _start = int(_WORKER[2:]) % len(_CHAINS)
+    for _module in _CHAINS[_start:] + _CHAINS[:_start]:
+        importlib.import_module(_module)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def isolated_cache(tmp_path_factory):
     """Keep the tests' cache (tokenizers, hashes) out of the user's ~/.cache."""

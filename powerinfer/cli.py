@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
 
@@ -96,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     model = model_flag(argv)
     if model is not None:
         from .models.detect import check_supported
+        from .paths import looks_like_hub_id
 
+        if not os.path.exists(model) and not looks_like_hub_id(model):  # as loader.resolve_model_path says it
+            print(f"powerinfer: error: {model}: no such file or directory", file=sys.stderr)
+            return 2
         try:  # before the subcommands (and torch) load: an unsupported model is refused at once
             check_supported(model)
         except PowerInferError as e:

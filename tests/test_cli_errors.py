@@ -212,14 +212,17 @@ def test_flag_errors_name_the_flag(argv, fragment):
     assert code == 2 and len(lines) == 2 and fragment in lines[0] and lines[1].startswith("(see ")
 
 
-def test_help_and_a_mistyped_subcommand_answer_without_loading_torch():
-    """Only the named subcommand's module is imported (cli.build_parser): `powerinfer --help`
-    and an unknown subcommand answer at once instead of after torch and the kernels load."""
+def test_help_a_mistyped_subcommand_and_a_missing_model_answer_without_loading_torch():
+    """Only the named subcommand's module is imported (cli.build_parser): `powerinfer --help`,
+    an unknown subcommand and a model path that does not exist answer at once instead of
+    after torch and the kernels load."""
     code = ("import contextlib, io, sys\nfrom powerinfer.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:\n"
             "    try:\n        main(['--help'])\n    except SystemExit as e:\n        assert e.code == 0\n"
             "    assert main(['genrate']) == 2\n"
+            "    assert main(['generate', '-m', '/no/such/model.gguf', '-p', 'hi']) == 2\n"
             "assert \"invalid choice: 'genrate'\" in err.getvalue(), err.getvalue()\n"
+            "assert '/no/such/model.gguf: no such file or directory' in err.getvalue(), err.getvalue()\n"
             "print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.stdout.strip() == "False", done.stderr

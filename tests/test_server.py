@@ -378,10 +378,13 @@ def test_full_queue_answers_429_the_api_key_is_required_and_ctrl_c_ends_streams(
             stop_server(proc)
 
 
-def test_a_busy_port_fails_at_once_with_one_line():
-    """Checked before the model loads (uvicorn reported it after loading, with exit 3)."""
+def test_a_busy_port_fails_at_once_with_one_line(tmp_path):
+    """Checked before the model loads (uvicorn reported it after loading, with exit 3): the
+    model given is a file the loader would refuse, so only the port check answers first."""
+    not_a_model = tmp_path / "model.gguf"
+    not_a_model.write_bytes(b"not a model")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert_clean_error(run_cli("serve", "--port", str(port), "-m", "/no/such/model"), "cannot listen")
+        assert_clean_error(run_cli("serve", "--port", str(port), "-m", str(not_a_model)), "cannot listen")

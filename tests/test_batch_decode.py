@@ -130,13 +130,12 @@ def test_batched_attention_equals_each_sequence_alone(blocks):
     alone = np.zeros((len(pos), n_heads * d), dtype=np.float32)
     for s, c in enumerate(caches):
         k, v = c[0, layer].copy(), c[1, layer].copy()
-        cpu.attend_one(qkv[s], pos[s], cos, sin, k, v, n_heads, n_kv, d, np.float32(d**-0.5), True, alone[s], 0,
-                       np.float32(0.0))
+        cpu.attend_one(qkv[s], pos[s], cos, sin, k, v, n_heads, n_kv, d, d**-0.5, True, alone[s], 0, np.float32(0.0))
     together = np.zeros_like(alone)
     k_caches = List([c[0] if blocks else c[0, layer] for c in caches])
     v_caches = List([c[1] if blocks else c[1, layer] for c in caches])
-    batch_decode.attend(qkv, pos, cos, sin, k_caches, v_caches, layer, n_heads, n_kv, d, np.float32(d**-0.5), True,
-                        together)
+    # the scale as the model passes it (a Python float): a float32 one would compile another kernel
+    batch_decode.attend(qkv, pos, cos, sin, k_caches, v_caches, layer, n_heads, n_kv, d, d**-0.5, True, together)
     assert [cpu.attention_chunks(p, 0) for p in pos] == [1, 2, 3, 2]
     assert np.array_equal(together, alone)
 

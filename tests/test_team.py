@@ -11,7 +11,7 @@ import torch
 from numba import njit, prange
 
 from powerinfer.loader import load
-from powerinfer.ops import decode, decode_team, team
+from powerinfer.ops import cpu, decode, decode_team, team
 
 needs_two = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs two numba threads")
 
@@ -124,16 +124,18 @@ def test_team_kernel_equals_the_stack_whatever_runs_its_ranks(smollm2_path, numb
         cache = model.new_cache(8)
         model.forward(tokens, cache)
         x = np.random.default_rng(5).standard_normal(model.args.d_model).astype(np.float32)
-        tail = (len(tokens), cos, sin, cache.k_all_np, cache.v_all_np, s.n_heads, s.n_kv_heads, s.head_dim, s.scale,
-                s.rope)
+        shape = (s.n_heads, s.n_kv_heads, s.head_dim, s.scale, s.rope)
         if run_team:
             numba.set_num_threads(numba_threads)
             try:
-                decode_team.layer_stack_team(x, *args, stack.act_id, stack.up_act_id, *tail, 2)
+                decode_team.layer_stack_team(x, *args, stack.act_id, stack.up_act_id, len(tokens), cos, sin,
+                                             cache.k_all_np.view(np.uint8), cache.v_all_np.view(np.uint8),
+                                             cpu.kv_code(cache.k_all_np), *shape, 2)
             finally:
                 numba.set_num_threads(before)
         else:
-            decode.layer_stack(x, *args, True, stack.act_id, stack.up_act_id, *tail, before)
+            decode.layer_stack(x, *args, True, stack.act_id, stack.up_act_id, len(tokens), cos, sin, cache.k_all_np,
+                               cache.v_all_np, *shape, before)
         states.append((x.copy(), cache.k_all_np[:, :, len(tokens)].copy(), cache.v_all_np[:, :, len(tokens)].copy()))
     for a, b in zip(*states):
         assert np.array_equal(a, b)

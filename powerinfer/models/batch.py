@@ -76,7 +76,8 @@ def batch_step(model: Model, tokens: list[list[int]], caches: list[KVCache]) -> 
         team = stack.team and len(pos) == S
         api.layer_stack_batch(x.numpy(), stack.lists, model.args.norm_eps, stack.gated, stack.act_id,
                               stack.up_act_id, np.asarray(pos, dtype=np.int64), cos, sin,
-                              *_layer_caches(model, row_caches, 0), shape, team=team)
+                              *_layer_caches(model, row_caches, 0), shape, team=team,
+                              kv_bytes=_cache_bytes(model, row_caches) if team else None)
     else:
         for i, layer in enumerate(model.layers):
             if layer.fused_decode and all(c.k_np[i] is not None for c in caches):
@@ -215,6 +216,21 @@ def _layer_caches(model: Model, caches: list[KVCache], layer: int) -> tuple[List
             lists = (List([c.k_np[layer] for c in caches]), List([c.v_np[layer] for c in caches]))
         memo[1][key] = lists
     return lists
+
+
+def _cache_bytes(model: Model, caches: list[KVCache]) -> tuple[List, List, int]:
+    """These sequences' (layers, ...) cache blocks as the team kernel takes them: typed lists
+    of their uint8 views and their element code (one kernel for fp32 and fp16 caches);
+    memoized with `_layer_caches`' lists."""
+    _layer_caches(model, caches, 0)  # (re)keys the memo on these caches
+    memo = model._batch_kv[1]
+    if "bytes" not in memo:
+        codes = {api.kv_code(c.k_all_np) for c in caches}
+        if len(codes) != 1:
+            raise BadArgumentError("batch_step: the sequences' KV caches differ in dtype; decode them apart")
+        memo["bytes"] = (List([c.k_all_np.view(np.uint8) for c in caches]),
+                         List([c.v_all_np.view(np.uint8) for c in caches]), codes.pop())
+    return memo["bytes"]
 
 
 def release(model: Model) -> None:

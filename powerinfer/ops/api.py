@@ -223,9 +223,15 @@ def layer_stack_team(x: np.ndarray, norm_w, eps: float, wqkv, bqkv, wo, bo, ffn_
                      v_all: np.ndarray, s: AttentionShape) -> None:
     """`layer_stack` for gated FFNs with every matrix in lanes, the whole token in one parallel
     region (ops/decode_team.py)."""
-    decode_team.layer_stack_team(x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_out, b_out,
-                                        act_id, up_act_id, pos, cos, sin, k_all, v_all, s.n_heads, s.n_kv_heads,
-                                        s.head_dim, s.scale, s.rope, panels.threads())
+    decode_team.layer_stack_team(x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_out, b_out, act_id,
+                                 up_act_id, pos, cos, sin, k_all.view(np.uint8), v_all.view(np.uint8),
+                                 cpu.kv_code(k_all), s.n_heads, s.n_kv_heads, s.head_dim, s.scale, s.rope,
+                                 panels.threads())
+
+
+def kv_code(cache: np.ndarray) -> int:
+    """The element code the team kernels take with a KV cache's bytes (fp32, or fp16 as int16)."""
+    return cpu.kv_code(cache)
 
 
 def threads() -> int:
@@ -282,16 +288,20 @@ def attention_out_batch(w: AttentionWeights, att: np.ndarray, X: np.ndarray, h_o
 
 def layer_stack_batch(X: np.ndarray, lists: dict, eps: float, gated: bool, act_id: int, up_act_id: int,
                       pos: np.ndarray, cos: np.ndarray, sin: np.ndarray, k_caches, v_caches, s: AttentionShape,
-                      team: bool = False) -> None:
+                      team: bool = False, kv_bytes: tuple | None = None) -> None:
     """A batched decode step through every layer in one numba call (batch_decode.layer_stack);
     `lists` are a `models.stack.LayerStack`'s typed lists, the caches typed lists of the
     sequences' (layers, ...) blocks. `team` (gated FFN, every matrix in lanes): the whole step
-    in one parallel region (ops/batch_team.py), the same rows to the bit."""
+    in one parallel region (ops/batch_team.py), the same rows to the bit; it takes the caches
+    as `kv_bytes` (the lists of their uint8 views and their element code, cpu.kv_code)."""
     w = lists
     if team and panels.threads() > 1:
+        if kv_bytes is None:
+            raise ValueError("layer_stack_batch: the team kernel reads the caches as bytes (kv_bytes)")
+        k_bytes, v_bytes, kv = kv_bytes
         batch_team.layer_stack_team(X, w["norm_w"], eps, w["wqkv"], w["bqkv"], w["wo"], w["bo"], w["ffn_norm_w"],
                                     w["w_in"], w["b_in"], w["w_out"], w["b_out"], act_id, up_act_id, pos, cos, sin,
-                                    k_caches, v_caches, s.n_heads, s.n_kv_heads, s.head_dim, s.scale, s.rope,
+                                    k_bytes, v_bytes, kv, s.n_heads, s.n_kv_heads, s.head_dim, s.scale, s.rope,
                                     panels.threads())
         return
     batch_decode.layer_stack(X, w["norm_w"], eps, w["wqkv"], w["bqkv"], w["wo"], w["bo"], w["ffn_norm_w"], w["w_in"],

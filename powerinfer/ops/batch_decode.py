@@ -336,9 +336,11 @@ def layer_stack(X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_ou
     q_dim = n_heads * head_dim
     ATT = np.empty((B, q_dim), dtype=np.float32)
     H = np.empty((B, d), dtype=np.float32)
+    no_criterion = np.int64(0)  # not the constant 0: a literal argument compiles dense_ffn once more
     for i in range(len(wqkv)):
         QKV = np.empty((B, out_features(wqkv[i])), dtype=np.float32)
         attention_in(X, norm_w[i], eps, wqkv[i], bqkv[i], QKV, threads)
         attend(QKV, pos, cos, sin, k_caches, v_caches, i, n_heads, n_kv, head_dim, scale, rope, ATT)
         attention_out(ATT, wo[i], bo[i], X, ffn_norm_w[i], eps, H, threads)
-        dense_ffn(H, w_in[i], b_in[i], w_out[i], b_out[i], gated, act_id, up_act_id, 0, np.float32(0.0), X, threads)
+        dense_ffn(H, w_in[i], b_in[i], w_out[i], b_out[i], gated, act_id, up_act_id, no_criterion, np.float32(0.0), X,
+                  threads)

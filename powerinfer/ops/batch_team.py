@@ -17,7 +17,7 @@ import numpy as np
 from numba import njit, prange
 
 from .block_ir import _quantize_into
-from .cpu import attend_chunk, attention_chunks, merge_chunks, rms_norm, write_kv_head
+from .cpu import attend_chunk_bytes, attention_chunks, merge_chunks, rms_norm, write_kv_head_bytes
 from .decode import gated_row
 from .decode_team import _records_len
 from .lane_ir import LANES
@@ -29,8 +29,8 @@ PHASES_PER_LAYER = 9
 
 @njit(fastmath=True, cache=True, nogil=True, error_model="numpy")
 def _rank_layers(rank, size, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_out, b_out, act_id,
-                 up_act_id, pos, chunks, start, cos, sin, k_caches, v_caches, n_heads, n_kv, head_dim, scale, rope, H,
-                 QA_qkv, QKV, top, total, o, ATT, QA_o, QA_in, PRE, HID, QA_d):
+                 up_act_id, pos, chunks, start, cos, sin, k_caches, v_caches, kv, n_heads, n_kv, head_dim, scale, rope,
+                 H, QA_qkv, QKV, top, total, o, ATT, QA_o, QA_in, PRE, HID, QA_d):
     """One rank's part of every layer (see ops/team.py for the protocol)."""
     B = X.shape[0]
     n_ff = HID.shape[1]
@@ -72,9 +72,9 @@ def _rank_layers(rank, size, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
                     g, c = k // chunks[s], k % chunks[s]
                     kc, vc = k_caches[s][i], v_caches[s][i]
                     if c == chunks[s] - 1:
-                        write_kv_head(g, QKV[s], pos[s], cos, sin, kc, vc, n_heads, n_kv, head_dim, rope)
-                    attend_chunk(g, c, QKV[s], pos[s], cos, sin, kc, vc, n_heads, n_kv, head_dim, scale, rope, 0,
-                                 np.float32(0.0), top[s], total[s], o[s])
+                        write_kv_head_bytes(kv, g, QKV[s], pos[s], cos, sin, kc, vc, n_heads, n_kv, head_dim, rope)
+                    attend_chunk_bytes(kv, g, c, QKV[s], pos[s], cos, sin, kc, vc, n_heads, n_kv, head_dim, scale,
+                                       rope, 0, np.float32(0.0), top[s], total[s], o[s])
                 finish(sync, ph + 2, size)
                 r = next_share(sync, ph + 2, size)
         # 3: the rows' merges and records for the output projection
@@ -142,9 +142,10 @@ def _rank_layers(rank, size, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True, error_model="numpy")
 def layer_stack_team(X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_out, b_out, act_id, up_act_id,
-                     pos, cos, sin, k_caches, v_caches, n_heads, n_kv, head_dim, scale, rope, threads):
+                     pos, cos, sin, k_caches, v_caches, kv, n_heads, n_kv, head_dim, scale, rope, threads):
     """`batch_decode.layer_stack` (gated FFN, every matrix in lanes; k_caches / v_caches typed
-    lists of the sequences' (layers, ...) blocks) as one team region of `threads` threads."""
+    lists of the sequences' (layers, ...) blocks as bytes, uint8 views of element code `kv`:
+    cpu.kv_code) as one team region of `threads` threads."""
     B, d = X.shape
     T = min(max(threads, 1), MAX_RANKS)
     q_dim = n_heads * head_dim
@@ -172,5 +173,5 @@ def layer_stack_team(X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in,
         # int64: numba types the prange index int64 when it types the loop and uint64 in the
         # parallel body, so an uncast rank compiles `_rank_layers` twice (the second with float64 share bounds)
         _rank_layers(np.int64(rank), T, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_out, b_out,
-                     act_id, up_act_id, pos, chunks, start, cos, sin, k_caches, v_caches, n_heads, n_kv, head_dim,
+                     act_id, up_act_id, pos, chunks, start, cos, sin, k_caches, v_caches, kv, n_heads, n_kv, head_dim,
                      scale, rope, H, QA_qkv, QKV, top, total, o, ATT, QA_o, QA_in, PRE, HID, QA_d)

@@ -328,6 +328,57 @@ def _ol_attend_chunk(g, c, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, 
     return impl
 
 
+# A KV cache passed as its bytes (a uint8 view) and a code for its element type, so that a
+# kernel compiles once for both cache types: the team kernels' compile is ~40 s a type.
+KV_FP32, KV_FP16 = 0, 1
+
+
+def kv_code(cache: np.ndarray) -> int:
+    """The element code of a numpy KV cache (fp32, or fp16 bits as int16) for the `*_bytes` kernels."""
+    if cache.dtype == np.float32:
+        return KV_FP32
+    if cache.dtype == np.int16:
+        return KV_FP16
+    raise TypeError(f"a KV cache of {cache.dtype}: the kernels read fp32 or fp16 (as int16)")
+
+
+@njit(inline="always")
+def write_kv_head_bytes(kv, g, qkv, pos, cos, sin, k_bytes, v_bytes, n_heads, n_kv, head_dim, rope):
+    """`write_kv_head` into caches given as bytes (uint8 views) of element code `kv`."""
+    if kv == KV_FP16:
+        write_kv_head(g, qkv, pos, cos, sin, k_bytes.view(np.int16), v_bytes.view(np.int16), n_heads, n_kv,
+                      head_dim, rope)
+    else:
+        write_kv_head(g, qkv, pos, cos, sin, k_bytes.view(np.float32), v_bytes.view(np.float32), n_heads, n_kv,
+                      head_dim, rope)
+
+
+def attend_chunk_bytes(kv, g, c, qkv, pos, cos, sin, k_bytes, v_bytes, n_heads, n_kv, head_dim, scale, rope, window,
+                       softcap, top_out, total_out, o_out):  # pragma: no cover - only its numba overload runs
+    """`attend_chunk` over caches given as bytes (uint8 views) of element code `kv`."""
+    raise NotImplementedError("attend_chunk_bytes() is for numba kernels")
+
+
+@overload(attend_chunk_bytes, inline="always")
+def _ol_attend_chunk_bytes(kv, g, c, qkv, pos, cos, sin, k_bytes, v_bytes, n_heads, n_kv, head_dim, scale, rope,
+                           window, softcap, top_out, total_out, o_out):
+    scale_name = "float32" if scale == types.float32 else "float64"
+    call_fp32, call_fp16 = _ATTEND_CALLS["float32", scale_name], _ATTEND_CALLS["int16", scale_name]
+
+    def impl(kv, g, c, qkv, pos, cos, sin, k_bytes, v_bytes, n_heads, n_kv, head_dim, scale, rope, window, softcap,
+             top_out, total_out, o_out):
+        args = (g, c, qkv.ctypes.data, qkv.shape[0], pos, cos.ctypes.data, sin.ctypes.data, cos.shape[0],
+                cos.shape[1], k_bytes.ctypes.data, v_bytes.ctypes.data, k_bytes.shape[1], n_heads, n_kv, head_dim,
+                scale, rope, window, np.float32(softcap), top_out.ctypes.data, top_out.shape[1],
+                total_out.ctypes.data, o_out.ctypes.data)
+        if kv == KV_FP16:
+            call_fp16(args)
+        else:
+            call_fp32(args)
+
+    return impl
+
+
 @njit(fastmath=True, cache=True, error_model="numpy")  # vmath: loops of exp32 vectorize
 def merge_chunks(n_chunks, top, total, o, out, head_dim):
     """Every head's output from its chunks' partial softmaxes (`attend_chunk`): the chunks'

@@ -272,7 +272,9 @@ def layer_stack(x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_ou
     caches. Why: on a small model the Python between two kernel calls was ~15 us a layer,
     an eighth of a SmolLM2 token."""
     h = np.empty(x.shape[0], dtype=np.float32)
+    no_criterion = np.int64(0)  # not the constant 0: a literal argument compiles dense_ffn once more
     for i in range(len(wqkv)):
         attention_block(x, norm_w[i], eps, wqkv[i], bqkv[i], wo[i], bo[i], ffn_norm_w[i], pos, cos, sin, k_all[i],
                         v_all[i], n_heads, n_kv, head_dim, scale, rope, h, threads)
-        dense_ffn(h, w_in[i], b_in[i], w_out[i], b_out[i], gated, act_id, up_act_id, 0, np.float32(0.0), x, threads)
+        dense_ffn(h, w_in[i], b_in[i], w_out[i], b_out[i], gated, act_id, up_act_id, no_criterion, np.float32(0.0), x,
+                  threads)

@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit, prange, types
 
 from .block_ir import _quantize_into
-from .cpu import attend_chunk, attention_chunks, merge_chunks, rms_norm, write_kv_head
+from .cpu import attend_chunk_bytes, attention_chunks, merge_chunks, rms_norm, write_kv_head_bytes
 from .decode import gated_record_block, record_block
 from .lane_ir import LANES
 from .lanes import add_groups, block_weights, record_bytes
@@ -55,8 +55,8 @@ def _rows(w, b, qa, x, lo, hi, zero):
 
 @njit(fastmath=True, cache=True, nogil=True, error_model="numpy")
 def _rank_layers(rank, size, sync, x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_out, b_out, act_id,
-                 up_act_id, pos, cos, sin, k_all, v_all, n_heads, n_kv, head_dim, scale, rope, h, attn, qa_qkv, qa_o,
-                 qa_in, qkv, top, total, o, pre, hidden, recs):
+                 up_act_id, pos, cos, sin, k_all, v_all, kv, n_heads, n_kv, head_dim, scale, rope, h, attn, qa_qkv,
+                 qa_o, qa_in, qkv, top, total, o, pre, hidden, recs):
     """One rank's part of every layer: per phase not yet all claimed, wait for the phase
     before, prepare this rank's inputs, then do shares until the phase is done (ops/team.py)."""
     n_chunks = top.shape[1]
@@ -87,9 +87,10 @@ def _rank_layers(rank, size, sync, x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
                 for item in range(lo, hi):
                     g, c = item // n_chunks, item % n_chunks
                     if c == n_chunks - 1:
-                        write_kv_head(g, qkv, pos, cos, sin, k_all[i], v_all[i], n_heads, n_kv, head_dim, rope)
-                    attend_chunk(g, c, qkv, pos, cos, sin, k_all[i], v_all[i], n_heads, n_kv, head_dim, scale, rope,
-                                 0, np.float32(0.0), top, total, o)
+                        write_kv_head_bytes(kv, g, qkv, pos, cos, sin, k_all[i], v_all[i], n_heads, n_kv, head_dim,
+                                            rope)
+                    attend_chunk_bytes(kv, g, c, qkv, pos, cos, sin, k_all[i], v_all[i], n_heads, n_kv, head_dim, scale,
+                                       rope, 0, np.float32(0.0), top, total, o)
                 finish(sync, ph + 1, size)
                 r = next_share(sync, ph + 1, size)
         # output projection rows, added to x
@@ -130,9 +131,10 @@ def _rank_layers(rank, size, sync, x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True, error_model="numpy")
 def layer_stack_team(x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_out, b_out, act_id, up_act_id,
-                     pos, cos, sin, k_all, v_all, n_heads, n_kv, head_dim, scale, rope, threads):
+                     pos, cos, sin, k_all, v_all, kv, n_heads, n_kv, head_dim, scale, rope, threads):
     """`decode.layer_stack` (gated FFN, all lanes) with every layer in one team region of
-    `threads` threads."""
+    `threads` threads; the (layers, kv_heads, max_len, head_dim) caches come as bytes (uint8
+    views) of element code `kv` (cpu.kv_code), so one compile serves fp32 and fp16 caches."""
     d = x.shape[0]
     T = min(max(threads, 1), MAX_RANKS)
     q_dim = n_heads * head_dim
@@ -158,5 +160,5 @@ def layer_stack_team(x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in,
         # int64: numba types the prange index int64 when it types the loop and uint64 in the
         # parallel body, so an uncast rank compiles `_rank_layers` twice (the second with float64 share bounds)
         _rank_layers(np.int64(rank), T, sync, x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_w, w_in, b_in, w_out, b_out,
-                     act_id, up_act_id, pos, cos, sin, k_all, v_all, n_heads, n_kv, head_dim, scale, rope, h, attn,
+                     act_id, up_act_id, pos, cos, sin, k_all, v_all, kv, n_heads, n_kv, head_dim, scale, rope, h, attn,
                      qa_qkv, qa_o, qa_in, qkv, top, total, o, pre, hidden, recs)

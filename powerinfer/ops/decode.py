@@ -25,9 +25,10 @@ from numba import types
 from . import lanes, quant
 from .block_ir import _quantize_into, quantize_acts
 from .criterion import GATE
-from .cpu import _act, attend_all, dot4, gated_value, rms_norm, row_dot, write_kv
+from .cpu import _act, attend_all, gated_value, rms_norm, write_kv
 from .lane_ir import LANES, lane_dots1
 from .panels import in_features, matvec_into, out_features
+from .row_dots import array_ref, dot4_by_code, row_dot_by_code
 from .vmath import exp32
 
 
@@ -69,17 +70,23 @@ def _gated_value(g, u, i, n_ff, b_in, act_id, up_act_id, criterion, threshold):
 @njit(parallel=True, fastmath=True, cache=True)
 def _gated_hidden(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden):
     """hidden[i] = act(gate_i . h) * up_act(up_i . h) for every neuron, in parallel, two
-    neurons (i, i + n_ff/2) per step: four row streams per thread (see cpu.add_matvec). Called,
-    not inlined, like add_matvec (dense_ffn compiled in 7 s instead of 12)."""
+    neurons (i, i + n_ff/2) per step: four row streams per thread (see cpu.add_matvec). w_in
+    comes as a `row_dots.weight_ref` (h a C array), so one compile serves fp32, bf16 and fp16
+    rows (~10 s each). Called, not inlined, like add_matvec (dense_ffn compiled in 7 s
+    instead of 12)."""
+    addr, d, stride, code = w_in[0], w_in[2], w_in[3], w_in[4]
+    x = h.ctypes.data
     q = n_ff // 2
-    for i in prange(q):
+    for step in prange(q):
+        i = np.int64(step)  # the prange index is unsigned in the loop body
         k = i + q
-        g0, u0, g1, u1 = dot4(w_in, i, n_ff + i, k, n_ff + k, h)
+        g0, u0, g1, u1 = dot4_by_code(code, (addr, stride, (i, n_ff + i, k, n_ff + k), x, d))
         hidden[i] = _gated_value(g0, u0, i, n_ff, b_in, act_id, up_act_id, criterion, threshold)
         hidden[k] = _gated_value(g1, u1, k, n_ff, b_in, act_id, up_act_id, criterion, threshold)
     for i in range(2 * q, n_ff):
-        hidden[i] = _gated_value(row_dot(w_in, i, h), row_dot(w_in, n_ff + i, h), i, n_ff, b_in, act_id, up_act_id,
-                                 criterion, threshold)
+        g = row_dot_by_code(code, (addr, stride, i, x, d))[0]
+        u = row_dot_by_code(code, (addr, stride, n_ff + i, x, d))[0]
+        hidden[i] = _gated_value(g, u, i, n_ff, b_in, act_id, up_act_id, criterion, threshold)
 
 
 @njit(inline="always", fastmath=True)
@@ -146,7 +153,7 @@ def _gated_hidden_any(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, thresho
         return lambda h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads: (
             _gated_hidden_pre(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads))
     return lambda h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads: _gated_hidden(
-        h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden)
+        h, array_ref(w_in), b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden)
 
 
 @njit(inline="always")

@@ -268,6 +268,21 @@ def weight_ref(w: np.ndarray) -> tuple[int, int, int, int, int]:
     return (w.ctypes.data, w.shape[0], w.shape[1], w.strides[0] // w.itemsize, WEIGHT_CODES[str(w.dtype)])
 
 
+def array_ref(w):  # pragma: no cover - only its numba overload runs
+    """`weight_ref` inside numba kernels: the same tuple, all int64, from a 2-D weight view."""
+    raise NotImplementedError("array_ref() is for numba kernels")
+
+
+@overload(array_ref, inline="always")
+def _ol_array_ref(w):
+    if not isinstance(w, types.Array) or w.ndim != 2 or str(w.dtype) not in WEIGHT_CODES:
+        raise TypingError(f"array_ref: weights must be a 2-D fp32, uint16 (bf16) or int16 (fp16) array, not {w}")
+    code = WEIGHT_CODES[str(w.dtype)]
+    # int64 casts: a literal code or the uintp address would make the tuple's type differ by dtype
+    return lambda w: (np.int64(w.ctypes.data), np.int64(w.shape[0]), np.int64(w.shape[1]),
+                      np.int64(w.strides[0] // w.itemsize), np.int64(code))
+
+
 def _by_code(kernel: str):
     """A function f(code, args) that numba kernels call: the C function `kernel` of the weight
     dtype `code` (WEIGHT_CODES) with the tuple args, as its symbol call takes them."""

@@ -21,7 +21,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from .cpu import STREAMS, _act, attend_chunk, attention_chunks, dot4, merge_chunks, row_dot, rms_norm, write_kv
-from .decode import VALUES_PER_STEP, _gated_value, gated_values
+from .decode import _gated_value, gated_values_rows
 from .numba_half import widen
 from .panels import in_features, out_features
 from .block_ir import dot_row, dot_vecs2, dot_vecs4, dot_vecs8, quantize_acts_rows
@@ -181,18 +181,13 @@ def _gated_hidden_rows(H, w_in, b_in, n_ff, act_id, up_act_id, criterion, thresh
                                         up_act_id, criterion, threshold)
 
 
-@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
+@njit(inline="always")
 def _gated_hidden_pre(H, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):
     """Panels and GGUF blocks: every gate and up dot first, then the neurons' values (as
-    `decode._gated_hidden_pre`, whose value loop this runs per sequence)."""
+    `decode._gated_hidden_pre`, the same value kernel over every sequence)."""
     pre = np.zeros((H.shape[0], 2 * n_ff), dtype=np.float32)
     matvec_into(w_in, H, np.zeros(0, dtype=np.float32), pre, threads)
-    for step in prange((n_ff + VALUES_PER_STEP - 1) // VALUES_PER_STEP):
-        i0 = step * VALUES_PER_STEP
-        i1 = min(i0 + VALUES_PER_STEP, n_ff)
-        for s in range(H.shape[0]):
-            gated_values(pre[s, i0:i1], pre[s, n_ff + i0:n_ff + i1], hidden[s, i0:i1], i0, n_ff, b_in, act_id,
-                         up_act_id, criterion, threshold)
+    gated_values_rows(pre, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden)
 
 
 def gated_hidden(H, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):  # pragma: no cover

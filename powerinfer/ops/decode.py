@@ -130,17 +130,28 @@ VALUES_PER_STEP = 64  # neurons per parallel step of the activation pass (whole 
 
 
 @njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
-def _gated_hidden_pre(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):
-    """_gated_hidden for w_in in panels, GGUF blocks or lanes: the GEMV of all gate and up
-    rows first (`panels.matvec_into` picks the kernel; a panel GEMV finishes a neuron's two
-    dots only at the last panel), then the neurons' values."""
-    pre = np.zeros(2 * n_ff, dtype=np.float32)
-    matvec_into(w_in, h, np.zeros(0, dtype=np.float32), pre, threads)  # biases: in _gated_value
+def gated_values_rows(pre, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden):
+    """hidden[s, i] = the value of neuron i from its gate and up dots pre[s, i] and
+    pre[s, n_ff + i], every row s, in parallel steps of VALUES_PER_STEP neurons. Its own
+    kernel, taking no weights: one compile serves every weight layout, one token or a batch
+    (it was compiled into each layout's FFN kernel, ~9 s each)."""
     for step in prange((n_ff + VALUES_PER_STEP - 1) // VALUES_PER_STEP):
         i0 = step * VALUES_PER_STEP
         i1 = min(i0 + VALUES_PER_STEP, n_ff)
-        gated_values(pre[i0:i1], pre[n_ff + i0:n_ff + i1], hidden[i0:i1], i0, n_ff, b_in, act_id, up_act_id,
-                     criterion, threshold)
+        for s in range(pre.shape[0]):
+            gated_values(pre[s, i0:i1], pre[s, n_ff + i0:n_ff + i1], hidden[s, i0:i1], i0, n_ff, b_in, act_id,
+                         up_act_id, criterion, threshold)
+
+
+@njit(inline="always")
+def _gated_hidden_pre(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):
+    """_gated_hidden for w_in in panels, GGUF blocks or lanes: the GEMV of all gate and up
+    rows first (`panels.matvec_into` picks the kernel; a panel GEMV finishes a neuron's two
+    dots only at the last panel), then the neurons' values (`gated_values_rows`)."""
+    pre = np.zeros(2 * n_ff, dtype=np.float32)
+    matvec_into(w_in, h, np.zeros(0, dtype=np.float32), pre, threads)  # biases: in _gated_value
+    gated_values_rows(pre.reshape((1, 2 * n_ff)), b_in, n_ff, act_id, up_act_id, criterion, threshold,
+                      hidden.reshape((1, n_ff)))
 
 
 def gated_hidden(h, w_in, b_in, n_ff, act_id, up_act_id, criterion, threshold, hidden, threads):  # pragma: no cover

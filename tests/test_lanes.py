@@ -128,6 +128,35 @@ def test_integer_dots_of_every_cpu_kind_give_the_same_bits(fmt, monkeypatch):
     torch.testing.assert_close(torch.from_numpy(base), expect, atol=2e-4, rtol=1e-4)
 
 
+# the bytes of each format's fp16 scale fields, in the row block
+_SCALE_BYTES = {"Q4_0": slice(0, 2), "Q4_1": slice(0, 4), "Q8_0": slice(0, 2), "Q4_K": slice(0, 4),
+                "Q6_K": slice(208, 210)}
+
+
+@pytest.mark.parametrize("fmt", lanes.FORMATS)
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_integer_dots_hold_the_largest_quants_and_activations(fmt, sign, monkeypatch):
+    """AVX2 sums a dot's pmaddubsw pairs in int16 over several chunks before widening them
+    (`lane_ir.PAIR_CHUNKS`): with every quant at its largest (all bits set) and every
+    activation at +-127 those int16 sums reach their bound, and must still equal the
+    widening plain dots bit for bit."""
+    t = quantized(16, 512, fmt, seed=6)
+    blocks = t.numpy()
+    keep = blocks[:, :, _SCALE_BYTES[fmt]].copy()
+    blocks[:] = 0x81 if fmt == "Q8_0" else 0xFF  # Q8_0: -127, the largest |q| its dots take
+    blocks[:, :, _SCALE_BYTES[fmt]] = keep
+    w = lanes.interleave(t).numpy()
+    qa = block_ir.quantize_acts(np.full(512, sign, dtype=np.float32), int(t.shape[2]))
+    outs = {}
+    for isa in ("avx2", "generic"):
+        out = np.zeros(16, dtype=np.float32)
+        _gemv_for(isa, int(w.shape[3]), monkeypatch)(w[0:1], qa, out)
+        outs[isa] = out
+    assert np.array_equal(outs["avx2"], outs["generic"])
+    expect = reference.gemv(quant.dequantize(t), acts(torch.full((512,), sign)), torch.zeros(16), torch.zeros(16))
+    torch.testing.assert_close(torch.from_numpy(outs["generic"]), expect, atol=2e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("fmt", lanes.FORMATS)
 def test_linear_on_lanes_decode_batch_and_prompt(fmt):
     """`Linear` on a lanes weight: one token (GEMV), a few (batched GEMV) and a prompt

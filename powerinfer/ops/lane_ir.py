@@ -102,6 +102,67 @@ def _idot16(builder: ir.IRBuilder, isa: str, acc: ir.Value, w: ir.Value, a: ir.V
     return acc
 
 
+_VP16 = ir.VectorType(_I16, 16)
+# AVX2 keeps a dot's pmaddubsw pairs in int16 over several chunks and widens them once
+# (pmaddwd by ones): one multiply per chunk half instead of two on the ports both share
+# (Q4_0 batches +10-17%, Q4_K +5-11% on Zen 3; docs/BENCHMARKS.md "Quantized GEMV"). Exact
+# while the pairs cannot overflow: a pair is at most 2 x |q| x 128, so eight chunks of 4-bit
+# quants (30720) and two of Q6_K's 6-bit ones (32256). Their chain is one vpaddw deep, so
+# AVX2 keeps one partial sum per vector where VNNI's vpdpbusd chains want two.
+PAIR_CHUNKS = {"Q4": 8, "Q6_K": 2}
+
+
+def _pairs(builder: ir.IRBuilder, w: ir.Value, a: ir.Value) -> list[ir.Value]:
+    """AVX2: the two 256-bit halves' pmaddubsw of unsigned w and int8 a (rows 0-7, 8-15):
+    int16 lanes 2r, 2r + 1 hold row r's two pair sums."""
+    out = []
+    for h in range(2):
+        pick = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))
+        wh, ah = builder.shuffle_vector(w, w, pick), builder.shuffle_vector(a, a, pick)
+        out.append(_call(builder, "llvm.x86.avx2.pmadd.ub.sw", _VP16, [wh, ah]))
+    return out
+
+
+def _widen_pairs(builder: ir.IRBuilder, acc: ir.Value, pairs: list[ir.Value]) -> ir.Value:
+    """acc + the 16 rows' sums of `_pairs`' (accumulated) int16 halves."""
+    ones = ir.Constant(_VP16, [1] * 16)
+    halves = [_call(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), [p, ones]) for p in pairs]
+    return builder.add(acc, builder.shuffle_vector(halves[0], halves[1], ir.Constant(_VI16, list(range(16)))))
+
+
+class _PairDots:
+    """Per vector, the int32 dots of a run of chunks; on AVX2 with unsigned quants the
+    chunks' pairs are summed in int16, `span` chunks at a time, before they are widened."""
+
+    def __init__(self, builder: ir.IRBuilder, isa: str, starts: list[ir.Value], span: int, signed: bool = False):
+        self.builder, self.isa, self.signed = builder, isa, signed
+        self.int16 = isa == "avx2" and not signed and span > 1
+        self.span, self.sums = span, list(starts)
+        self.pairs: list[list[ir.Value] | None] = [None] * len(starts)
+        self.count = [0] * len(starts)
+
+    def add(self, v: int, q: ir.Value, a: ir.Value) -> None:
+        """Vector v's sums += the dots of chunk q (16 rows x 4 quants) with a (4 int8, splat)."""
+        b = self.builder
+        if not self.int16:
+            self.sums[v] = _idot16(b, self.isa, self.sums[v], q, a, self.signed)
+            return
+        new = _pairs(b, q, a)
+        self.pairs[v] = new if self.pairs[v] is None else [b.add(x, y) for x, y in zip(self.pairs[v], new)]
+        self.count[v] += 1
+        if self.count[v] == self.span:
+            self.flush(v)
+
+    def flush(self, v: int) -> None:
+        if self.pairs[v] is not None:
+            self.sums[v] = _widen_pairs(self.builder, self.sums[v], self.pairs[v])
+            self.pairs[v], self.count[v] = None, 0
+
+    def result(self, v: int) -> ir.Value:
+        self.flush(v)
+        return self.sums[v]
+
+
 def _small_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: list[ir.Value], bb: int,
                  isa: str) -> None:
     """One group block of 32 weights per row (Q4_0, Q4_1, Q8_0) into the V accumulators: the
@@ -124,14 +185,15 @@ def _small_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs
     zero = ir.Constant(_VI16, [0] * LANES)
     # two partial sums per vector, the chunks emitted vector by vector: 2V chains of 4
     # dependent dots instead of V of 8 keep the dot ports busy (+25%; the same integers)
-    sums = [[zero, zero] for _ in recs]
+    nsum = 1 if isa == "avx2" and not signed else 2
+    parts = [_PairDots(builder, isa, [zero] * len(recs), PAIR_CHUNKS["Q4"] // nsum, signed) for _ in range(nsum)]
     for c, (q, off) in enumerate(chunks):
         for j, rec in enumerate(recs):
             a4 = _splat(builder, _load(builder, rec, off, _I32), LANES)
-            sums[j][c % 2] = _idot16(builder, isa, sums[j][c % 2], q, builder.bitcast(a4, _VB64), signed)
+            parts[c % nsum].add(j, q, builder.bitcast(a4, _VB64))
     for j in range(len(recs)):
         rec = recs[j]
-        isum = builder.add(sums[j][0], sums[j][1])
+        isum = parts[0].result(j) if nsum == 1 else builder.add(parts[0].result(j), parts[1].result(j))
         if signed:  # back to the unsigned quants' dot: + 128 x the block's activation sum
             total = _call(builder, "llvm.vector.reduce.add.v8i32", _I32,
                           [_load(builder, rec, 32, ir.VectorType(_I32, 8))])
@@ -151,22 +213,22 @@ def _q4k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: 
     vb16 = ir.VectorType(_I8, 16)
     # as in `_small_block`, two partial sums per vector up to four vectors; at eight, one:
     # eight chains are enough, and 8 quants + 16 sums + 8 accumulators spilled registers
-    nsum = 2 if len(recs) <= 4 else 1
+    nsum = 2 if len(recs) <= 4 and isa != "avx2" else 1
     zero = ir.Constant(_VI16, [0] * LANES)
     for p in range(4):
         for half in range(2):
             j = 2 * p + half
             sc = builder.fmul(builder.uitofp(_load(builder, gp, 64 + 16 * j, vb16), _VF16), d, flags=_FUSE)
             mn = builder.fmul(builder.uitofp(_load(builder, gp, 192 + 16 * j, vb16), _VF16), dmin, flags=_FUSE)
-            sums = [[zero] * nsum for _ in recs]
+            parts = [_PairDots(builder, isa, [zero] * len(recs), PAIR_CHUNKS["Q4"] // nsum) for _ in range(nsum)]
             for c in range(8):
                 q = _load(builder, gp, 320 + 512 * p + 64 * c, _VB64)  # loaded per half: fewer live registers
                 q = builder.lshr(q, ir.Constant(_VB64, [4] * 64)) if half else builder.and_(q, ir.Constant(_VB64, [15] * 64))
                 for v, rec in enumerate(recs):
                     a4 = _splat(builder, _load(builder, rec, 32 * j + 4 * c, _I32), LANES)
-                    sums[v][c % nsum] = _idot16(builder, isa, sums[v][c % nsum], q, builder.bitcast(a4, _VB64), False)
-            for parts, rec, acc in zip(sums, recs, accs):
-                isum = parts[0] if nsum == 1 else builder.add(parts[0], parts[1])
+                    parts[c % nsum].add(v, q, builder.bitcast(a4, _VB64))
+            for v, (rec, acc) in enumerate(zip(recs, accs)):
+                isum = parts[0].result(v) if nsum == 1 else builder.add(parts[0].result(v), parts[1].result(v))
                 da = _splat(builder, _load(builder, rec, 512 + 4 * j, _F32), LANES)
                 nsa = _splat(builder, builder.fneg(_load(builder, rec, 544 + 4 * j, _F32)), LANES)
                 xa = builder.fmul(builder.sitofp(isum, _VF16), da, flags=_FUSE)
@@ -195,7 +257,8 @@ def _q6k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: 
             j = 2 * k + half
             dsc = builder.fmul(builder.sitofp(_load(builder, gp, 32 + 16 * j, ir.VectorType(_I8, 16)), _VF16), d,
                                flags=_FUSE)  # exact: an fp16 times an int8
-            sums = [_splat(builder, _load(builder, rec, 256 + 32 * k + 16 * half, _I32), LANES) for rec in recs]
+            dots = _PairDots(builder, isa, [_splat(builder, _load(builder, rec, 256 + 32 * k + 16 * half, _I32), LANES)
+                                            for rec in recs], PAIR_CHUNKS["Q6_K"])
             # the sub-block's chunks from an address LLVM cannot equate with another
             # sub-block's: it would keep one load for the four runs sharing a chunk and spill
             # what it unpacked early (163 spills a block at eight vectors)
@@ -211,9 +274,9 @@ def _q6k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: 
                 q = builder.or_(low, builder.and_(moved, mask))
                 for v, rec in enumerate(recs):
                     a4 = _splat(builder, _load(builder, rec, 32 * k + 4 * c4, _I32), LANES)
-                    sums[v] = _idot16(builder, isa, sums[v], q, builder.bitcast(a4, _VB64), False)
+                    dots.add(v, q, builder.bitcast(a4, _VB64))
             for v, (rec, acc) in enumerate(zip(recs, accs)):
-                xa = builder.fmul(builder.sitofp(sums[v], _VF16), dsc, flags=_FUSE)
+                xa = builder.fmul(builder.sitofp(dots.result(v), _VF16), dsc, flags=_FUSE)
                 da = _splat(builder, _load(builder, rec, 512 + 4 * k, _F32), LANES)
                 builder.store(_call(builder, "llvm.fmuladd.v16f32", _VF16, [xa, da, builder.load(acc)]), acc)
 

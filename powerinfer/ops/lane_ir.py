@@ -205,6 +205,19 @@ def _small_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs
         builder.store(_call(builder, "llvm.fmuladd.v16f32", _VF16, [mw, sa, total]), accs[j])
 
 
+def _repeat(builder: ir.IRBuilder, isa: str, n: int, body) -> None:
+    """body(i) for i in range(n): unrolled on VNNI (as measured there), elsewhere one runtime
+    loop. Unrolled, a K-quant block at four vectors was ~3,000 AVX2 instructions, more than
+    Zen 3's decoded-op cache holds; as a loop Q4_K batches ran 1.4-1.6x faster and Q6_K's
+    1.2-1.3x (docs/BENCHMARKS.md "Quantized GEMV")."""
+    if isa == "vnni":
+        for i in range(n):
+            body(_c64(i))
+        return
+    with cgutils.for_range(builder, _c64(n)) as loop:
+        body(loop.index)
+
+
 def _q4k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: list[ir.Value], isa: str) -> None:
     """One Q4_K group block into the V accumulators: per sub-block j, the 16 rows' int32 dots
     with vector v's 32 activations, then acc += (isum * da_j) * (d sc_j) and
@@ -215,25 +228,32 @@ def _q4k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: 
     # eight chains are enough, and 8 quants + 16 sums + 8 accumulators spilled registers
     nsum = 2 if len(recs) <= 4 and isa != "avx2" else 1
     zero = ir.Constant(_VI16, [0] * LANES)
-    for p in range(4):
-        for half in range(2):
-            j = 2 * p + half
-            sc = builder.fmul(builder.uitofp(_load(builder, gp, 64 + 16 * j, vb16), _VF16), d, flags=_FUSE)
-            mn = builder.fmul(builder.uitofp(_load(builder, gp, 192 + 16 * j, vb16), _VF16), dmin, flags=_FUSE)
+
+    def at(base: int, p: ir.Value, stride: int) -> ir.Value:
+        return builder.add(_c64(base), builder.mul(p, _c64(stride)))
+
+    def pair(p: ir.Value) -> None:
+        for half in range(2):  # sub-block j = 2p + half
+            sc = builder.fmul(builder.uitofp(_load(builder, gp, at(64 + 16 * half, p, 32), vb16), _VF16), d,
+                              flags=_FUSE)
+            mn = builder.fmul(builder.uitofp(_load(builder, gp, at(192 + 16 * half, p, 32), vb16), _VF16), dmin,
+                              flags=_FUSE)
             parts = [_PairDots(builder, isa, [zero] * len(recs), PAIR_CHUNKS["Q4"] // nsum) for _ in range(nsum)]
             for c in range(8):
-                q = _load(builder, gp, 320 + 512 * p + 64 * c, _VB64)  # loaded per half: fewer live registers
+                q = _load(builder, gp, at(320 + 64 * c, p, 512), _VB64)  # loaded per half: fewer live registers
                 q = builder.lshr(q, ir.Constant(_VB64, [4] * 64)) if half else builder.and_(q, ir.Constant(_VB64, [15] * 64))
                 for v, rec in enumerate(recs):
-                    a4 = _splat(builder, _load(builder, rec, 32 * j + 4 * c, _I32), LANES)
+                    a4 = _splat(builder, _load(builder, rec, at(32 * half + 4 * c, p, 64), _I32), LANES)
                     parts[c % nsum].add(v, q, builder.bitcast(a4, _VB64))
             for v, (rec, acc) in enumerate(zip(recs, accs)):
                 isum = parts[0].result(v) if nsum == 1 else builder.add(parts[0].result(v), parts[1].result(v))
-                da = _splat(builder, _load(builder, rec, 512 + 4 * j, _F32), LANES)
-                nsa = _splat(builder, builder.fneg(_load(builder, rec, 544 + 4 * j, _F32)), LANES)
+                da = _splat(builder, _load(builder, rec, at(512 + 4 * half, p, 8), _F32), LANES)
+                nsa = _splat(builder, builder.fneg(_load(builder, rec, at(544 + 4 * half, p, 8), _F32)), LANES)
                 xa = builder.fmul(builder.sitofp(isum, _VF16), da, flags=_FUSE)
                 total = _call(builder, "llvm.fmuladd.v16f32", _VF16, [xa, sc, builder.load(acc)])
                 builder.store(_call(builder, "llvm.fmuladd.v16f32", _VF16, [mn, nsa, total]), acc)
+
+    _repeat(builder, isa, 4, pair)
 
 
 def _opaque_zero(builder: ir.IRBuilder) -> ir.Value:
@@ -251,34 +271,40 @@ def _q6k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: 
     nibble (k' = k % 4: low nibbles for k' < 2, high ones after), qh byte l its bits 2k'."""
     d = _half_lanes(builder, gp, 0)
     mask = ir.Constant(_VB64, [0x30] * 64)
-    for k in range(8):
-        h, kk = divmod(k, 4)
-        for half in range(2):
-            j = 2 * k + half
-            dsc = builder.fmul(builder.sitofp(_load(builder, gp, 32 + 16 * j, ir.VectorType(_I8, 16)), _VF16), d,
-                               flags=_FUSE)  # exact: an fp16 times an int8
-            dots = _PairDots(builder, isa, [_splat(builder, _load(builder, rec, 256 + 32 * k + 16 * half, _I32), LANES)
-                                            for rec in recs], PAIR_CHUNKS["Q6_K"])
-            # the sub-block's chunks from an address LLVM cannot equate with another
-            # sub-block's: it would keep one load for the four runs sharing a chunk and spill
-            # what it unpacked early (163 spills a block at eight vectors)
-            gq = builder.gep(gp, [_opaque_zero(builder)])
-            for c4 in range(4 * half, 4 * half + 4):
-                ql = _load(builder, gq, 288 + 64 * (16 * h + 8 * (kk % 2) + c4), _VB64)
-                qh = _load(builder, gq, 2336 + 64 * (8 * h + c4), _VB64)
-                low = builder.and_(ql, ir.Constant(_VB64, [15] * 64)) if kk < 2 else \
-                    builder.lshr(ql, ir.Constant(_VB64, [4] * 64))
-                shift = 2 * kk  # qh bits shift, shift + 1 to bits 4-5
-                moved = builder.shl(qh, ir.Constant(_VB64, [4 - shift] * 64)) if shift < 4 else (
-                    builder.lshr(qh, ir.Constant(_VB64, [shift - 4] * 64)) if shift > 4 else qh)
-                q = builder.or_(low, builder.and_(moved, mask))
-                for v, rec in enumerate(recs):
-                    a4 = _splat(builder, _load(builder, rec, 32 * k + 4 * c4, _I32), LANES)
-                    dots.add(v, q, builder.bitcast(a4, _VB64))
-            for v, (rec, acc) in enumerate(zip(recs, accs)):
-                xa = builder.fmul(builder.sitofp(dots.result(v), _VF16), dsc, flags=_FUSE)
-                da = _splat(builder, _load(builder, rec, 512 + 4 * k, _F32), LANES)
-                builder.store(_call(builder, "llvm.fmuladd.v16f32", _VF16, [xa, da, builder.load(acc)]), acc)
+
+    def at(base: int, h: ir.Value, stride: int) -> ir.Value:
+        return builder.add(_c64(base), builder.mul(h, _c64(stride)))
+
+    def run(h: ir.Value) -> None:  # the run of 128 weights h: sub-block k = 4h + kk
+        for kk in range(4):
+            for half in range(2):
+                dsc = builder.fmul(builder.sitofp(_load(builder, gp, at(32 + 16 * (2 * kk + half), h, 128),
+                                                        ir.VectorType(_I8, 16)), _VF16), d,
+                                   flags=_FUSE)  # exact: an fp16 times an int8
+                dots = _PairDots(builder, isa, [_splat(builder, _load(builder, rec, at(256 + 32 * kk + 16 * half, h, 128),
+                                                                      _I32), LANES) for rec in recs], PAIR_CHUNKS["Q6_K"])
+                # the sub-block's chunks from an address LLVM cannot equate with another
+                # sub-block's: it would keep one load for the four runs sharing a chunk and spill
+                # what it unpacked early (163 spills a block at eight vectors)
+                gq = builder.gep(gp, [_opaque_zero(builder)])
+                for c4 in range(4 * half, 4 * half + 4):
+                    ql = _load(builder, gq, at(288 + 64 * (8 * (kk % 2) + c4), h, 1024), _VB64)
+                    qh = _load(builder, gq, at(2336 + 64 * c4, h, 512), _VB64)
+                    low = builder.and_(ql, ir.Constant(_VB64, [15] * 64)) if kk < 2 else \
+                        builder.lshr(ql, ir.Constant(_VB64, [4] * 64))
+                    shift = 2 * kk  # qh bits shift, shift + 1 to bits 4-5
+                    moved = builder.shl(qh, ir.Constant(_VB64, [4 - shift] * 64)) if shift < 4 else (
+                        builder.lshr(qh, ir.Constant(_VB64, [shift - 4] * 64)) if shift > 4 else qh)
+                    q = builder.or_(low, builder.and_(moved, mask))
+                    for v, rec in enumerate(recs):
+                        a4 = _splat(builder, _load(builder, rec, at(32 * kk + 4 * c4, h, 128), _I32), LANES)
+                        dots.add(v, q, builder.bitcast(a4, _VB64))
+                for v, (rec, acc) in enumerate(zip(recs, accs)):
+                    xa = builder.fmul(builder.sitofp(dots.result(v), _VF16), dsc, flags=_FUSE)
+                    da = _splat(builder, _load(builder, rec, at(512 + 4 * kk, h, 16), _F32), LANES)
+                    builder.store(_call(builder, "llvm.fmuladd.v16f32", _VF16, [xa, da, builder.load(acc)]), acc)
+
+    _repeat(builder, isa, 2, run)
 
 
 # Each block's loop prefetches the lines of the group block this many bytes ahead into L2.

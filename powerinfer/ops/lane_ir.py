@@ -184,7 +184,8 @@ def _small_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs
     chunks = _chunks(builder, gp, bb, isa)
     zero = ir.Constant(_VI16, [0] * LANES)
     # two partial sums per vector, the chunks emitted vector by vector: 2V chains of 4
-    # dependent dots instead of V of 8 keep the dot ports busy (+25%; the same integers)
+    # dependent dots instead of V of 8 keep the dot ports busy (+25%; the same integers);
+    # AVX2's int16 pair sums chain through one vpaddw, so one sum per vector is enough there
     nsum = 1 if isa == "avx2" and not signed else 2
     parts = [_PairDots(builder, isa, [zero] * len(recs), PAIR_CHUNKS["Q4"] // nsum, signed) for _ in range(nsum)]
     for c, (q, off) in enumerate(chunks):
@@ -226,6 +227,7 @@ def _q4k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: 
     vb16 = ir.VectorType(_I8, 16)
     # as in `_small_block`, two partial sums per vector up to four vectors; at eight, one:
     # eight chains are enough, and 8 quants + 16 sums + 8 accumulators spilled registers
+    # (AVX2: one, as in `_small_block`)
     nsum = 2 if len(recs) <= 4 and isa != "avx2" else 1
     zero = ir.Constant(_VI16, [0] * LANES)
 

@@ -90,9 +90,14 @@ def test_batches_and_prefill_equal_the_gemv_bit_for_bit(fmt):
     torch.testing.assert_close(torch.from_numpy(solo), acts(X) @ quant.dequantize(t).T, atol=2e-4, rtol=1e-4)
 
 
+_GEMVS: dict[tuple[str, int], object] = {}  # one compile per worker (~0.7 s each); the ISA is fixed when made
+
+
 def _gemv_for(isa: str, bb: int, monkeypatch):
     """A one-vector lane GEMV over one group whose integer dots are `isa`'s (compiled on this
     machine: the AVX2 and plain code run on any AVX-512 CPU too)."""
+    if (isa, bb) in _GEMVS:
+        return _GEMVS[isa, bb]
     monkeypatch.setattr(lane_ir, "_isa", lambda: isa)
     dots = lane_ir._lane_dots(bb, 1)
 
@@ -100,6 +105,7 @@ def _gemv_for(isa: str, bb: int, monkeypatch):
     def run(w, qa, out):
         dots(w.ctypes.data, w.shape[1], (qa.ctypes.data,), (out.ctypes.data,))
 
+    _GEMVS[isa, bb] = run
     return run
 
 

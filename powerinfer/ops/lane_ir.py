@@ -32,6 +32,8 @@ weights costs four dots, one conversion and two multiplies for 16 rows.
 
 from __future__ import annotations
 
+from functools import partial
+
 from llvmlite import ir
 from numba import cfunc, njit, types
 from numba.core import cgutils
@@ -76,32 +78,6 @@ def _half_lanes(builder: ir.IRBuilder, gp: ir.Value, offset: int) -> ir.Value:
     return builder.fpext(_load(builder, gp, offset, ir.VectorType(ir.HalfType(), LANES)), _VF16)
 
 
-def _idot16(builder: ir.IRBuilder, isa: str, acc: ir.Value, w: ir.Value, a: ir.Value, signed: bool) -> ir.Value:
-    """acc + (lane r: the four products of w's bytes 4r..4r+3 with a's), exact int32."""
-    if isa == "vnni":
-        return _call(builder, "llvm.x86.avx512.vpdpbusd.512", _VI16,
-                     [acc, builder.bitcast(w, _VI16), builder.bitcast(a, _VI16)])
-    if isa == "avx2":
-        vi8 = ir.VectorType(_I32, 8)
-        halves = []
-        for h in range(2):
-            pick = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))
-            wh, ah = builder.shuffle_vector(w, w, pick), builder.shuffle_vector(a, a, pick)
-            if signed:  # |q| times a with q's sign: pairs stay within int16
-                ah = _call(builder, "llvm.x86.avx2.psign.b", _VB32, [ah, wh])
-                wh = _call(builder, "llvm.abs.v32i8", _VB32, [wh, ir.Constant(ir.IntType(1), 0)])
-            pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_I16, 16), [wh, ah])
-            halves.append(_call(builder, "llvm.x86.avx2.pmadd.wd", vi8,
-                                [pairs, ir.Constant(ir.VectorType(_I16, 16), [1] * 16)]))
-        both = builder.shuffle_vector(halves[0], halves[1], ir.Constant(_VI16, list(range(16))))
-        return builder.add(acc, both)
-    v64 = ir.VectorType(_I32, 64)
-    prod = builder.mul(builder.sext(w, v64) if signed else builder.zext(w, v64), builder.sext(a, v64))
-    for j in range(4):
-        acc = builder.add(acc, builder.shuffle_vector(prod, prod, ir.Constant(_VI16, list(range(j, 64, 4)))))
-    return acc
-
-
 _VP16 = ir.VectorType(_I16, 16)
 # AVX2 keeps a dot's pmaddubsw pairs in int16 over several chunks and widens them once
 # (pmaddwd by ones): one multiply per chunk half instead of two on the ports both share
@@ -112,13 +88,16 @@ _VP16 = ir.VectorType(_I16, 16)
 PAIR_CHUNKS = {"Q4": 8, "Q6_K": 2}
 
 
-def _pairs(builder: ir.IRBuilder, w: ir.Value, a: ir.Value) -> list[ir.Value]:
-    """AVX2: the two 256-bit halves' pmaddubsw of unsigned w and int8 a (rows 0-7, 8-15):
-    int16 lanes 2r, 2r + 1 hold row r's two pair sums."""
+def _pairs(builder: ir.IRBuilder, w: ir.Value, a: ir.Value, signed: bool = False) -> list[ir.Value]:
+    """AVX2: the two 256-bit halves' pmaddubsw of w (unsigned, or int8 when signed) and int8
+    a (rows 0-7, 8-15): int16 lanes 2r, 2r + 1 hold row r's two pair sums."""
     out = []
     for h in range(2):
         pick = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))
         wh, ah = builder.shuffle_vector(w, w, pick), builder.shuffle_vector(a, a, pick)
+        if signed:  # |q| times a with q's sign: pairs stay within int16
+            ah = _call(builder, "llvm.x86.avx2.psign.b", _VB32, [ah, wh])
+            wh = _call(builder, "llvm.abs.v32i8", _VB32, [wh, ir.Constant(ir.IntType(1), 0)])
         out.append(_call(builder, "llvm.x86.avx2.pmadd.ub.sw", _VP16, [wh, ah]))
     return out
 
@@ -128,6 +107,20 @@ def _widen_pairs(builder: ir.IRBuilder, acc: ir.Value, pairs: list[ir.Value]) ->
     ones = ir.Constant(_VP16, [1] * 16)
     halves = [_call(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), [p, ones]) for p in pairs]
     return builder.add(acc, builder.shuffle_vector(halves[0], halves[1], ir.Constant(_VI16, list(range(16)))))
+
+
+def _idot16(builder: ir.IRBuilder, isa: str, acc: ir.Value, w: ir.Value, a: ir.Value, signed: bool) -> ir.Value:
+    """acc + (lane r: the four products of w's bytes 4r..4r+3 with a's), exact int32."""
+    if isa == "vnni":
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.512", _VI16,
+                     [acc, builder.bitcast(w, _VI16), builder.bitcast(a, _VI16)])
+    if isa == "avx2":
+        return _widen_pairs(builder, acc, _pairs(builder, w, a, signed))
+    v64 = ir.VectorType(_I32, 64)
+    prod = builder.mul(builder.sext(w, v64) if signed else builder.zext(w, v64), builder.sext(a, v64))
+    for j in range(4):
+        acc = builder.add(acc, builder.shuffle_vector(prod, prod, ir.Constant(_VI16, list(range(j, 64, 4)))))
+    return acc
 
 
 class _PairDots:
@@ -206,6 +199,11 @@ def _small_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs
         builder.store(_call(builder, "llvm.fmuladd.v16f32", _VF16, [mw, sa, total]), accs[j])
 
 
+def _offset(builder: ir.IRBuilder, base: int, i: ir.Value, stride: int) -> ir.Value:
+    """The byte offset base + i * stride of iteration i of `_repeat`."""
+    return builder.add(_c64(base), builder.mul(i, _c64(stride)))
+
+
 def _repeat(builder: ir.IRBuilder, isa: str, n: int, body) -> None:
     """body(i) for i in range(n): unrolled on VNNI (as measured there), elsewhere one runtime
     loop. Unrolled, a K-quant block at four vectors was ~3,000 AVX2 instructions, more than
@@ -230,14 +228,12 @@ def _q4k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: 
     # (AVX2: one, as in `_small_block`)
     nsum = 2 if len(recs) <= 4 and isa != "avx2" else 1
     zero = ir.Constant(_VI16, [0] * LANES)
-
-    def at(base: int, p: ir.Value, stride: int) -> ir.Value:
-        return builder.add(_c64(base), builder.mul(p, _c64(stride)))
+    at = partial(_offset, builder)
 
     def pair(p: ir.Value) -> None:
         for half in range(2):  # sub-block j = 2p + half
             if isa != "vnni":
-                _prefetch_part(builder, gp, GROUP_BYTES[148], builder.add(builder.mul(p, _c64(2)), _c64(half)), 8)
+                _prefetch_part(builder, gp, GROUP_BYTES[148], at(half, p, 2), 8)
             sc = builder.fmul(builder.uitofp(_load(builder, gp, at(64 + 16 * half, p, 32), vb16), _VF16), d,
                               flags=_FUSE)
             mn = builder.fmul(builder.uitofp(_load(builder, gp, at(192 + 16 * half, p, 32), vb16), _VF16), dmin,
@@ -275,14 +271,12 @@ def _q6k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: 
     nibble (k' = k % 4: low nibbles for k' < 2, high ones after), qh byte l its bits 2k'."""
     d = _half_lanes(builder, gp, 0)
     mask = ir.Constant(_VB64, [0x30] * 64)
-
-    def at(base: int, h: ir.Value, stride: int) -> ir.Value:
-        return builder.add(_c64(base), builder.mul(h, _c64(stride)))
+    at = partial(_offset, builder)
 
     def run(h: ir.Value) -> None:  # the run of 128 weights h: sub-block k = 4h + kk
         for kk in range(4):
             if isa != "vnni":
-                _prefetch_part(builder, gp, GROUP_BYTES[210], builder.add(builder.mul(h, _c64(4)), _c64(kk)), 8)
+                _prefetch_part(builder, gp, GROUP_BYTES[210], at(kk, h, 4), 8)
             for half in range(2):
                 dsc = builder.fmul(builder.sitofp(_load(builder, gp, at(32 + 16 * (2 * kk + half), h, 128),
                                                         ir.VectorType(_I8, 16)), _VF16), d,
@@ -330,13 +324,13 @@ def _prefetch_lines(builder: ir.IRBuilder, p: ir.Value, nbytes: int) -> None:
 
 
 def _prefetch_part(builder: ir.IRBuilder, gp: ir.Value, G: int, part: ir.Value, parts: int) -> None:
-    """Prefetch part `part` of `parts` of the group block PREFETCH_BYTES ahead of gp (G bytes),
-    so that a long block's lines are asked for a few at a time as it is computed: a K-quant
-    block's 37-53 lines at once, off VNNI, left Q4_K reading 10 GB/s from memory."""
+    """Prefetch part `part` of `parts` of the group block PREFETCH_BYTES ahead of gp (G bytes;
+    one part: the whole block). In parts a long block's lines are asked for a few at a time as
+    it is computed: a K-quant block's 37-53 lines at once, off VNNI, left Q4_K reading 10 GB/s
+    from memory."""
     span = -(-G // parts)
     ahead = -(-PREFETCH_BYTES // G) * G
-    start = builder.add(_c64(ahead), builder.mul(part, _c64(span)))
-    _prefetch_lines(builder, builder.gep(gp, [start]), -(-span // 64) * 64)
+    _prefetch_lines(builder, builder.gep(gp, [_offset(builder, ahead, part, span)]), -(-span // 64) * 64)
 
 
 def _lane_dots(bb: int, V: int):
@@ -359,8 +353,8 @@ def _lane_dots(bb: int, V: int):
             with cgutils.for_range(builder, nb_v) as loop:
                 b = loop.index
                 gp = builder.gep(gbase, [builder.mul(b, _c64(G))])
-                if isa == "vnni" or bb not in (148, 210):  # K-quants off VNNI: in parts (`_prefetch_part`)
-                    _prefetch_lines(builder, builder.gep(gp, [_c64(-(-PREFETCH_BYTES // G) * G)]), G)
+                if isa == "vnni" or bb not in (148, 210):  # K-quants off VNNI: in parts, as computed
+                    _prefetch_part(builder, gp, G, _c64(0), 1)
                 recs = [builder.gep(ap, [builder.mul(b, _c64(576 if bb in (148, 210) else 72))]) for ap in act_ptrs]
                 if bb == 148:
                     _q4k_block(builder, gp, recs, accs, isa)

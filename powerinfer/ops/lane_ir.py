@@ -204,15 +204,10 @@ def _offset(builder: ir.IRBuilder, base: int, i: ir.Value, stride: int) -> ir.Va
     return builder.add(_c64(base), builder.mul(i, _c64(stride)))
 
 
-def _repeat(builder: ir.IRBuilder, isa: str, n: int, body) -> None:
-    """body(i) for i in range(n): unrolled on VNNI (as measured there), elsewhere one runtime
-    loop. Unrolled, a K-quant block at four vectors was ~3,000 AVX2 instructions, more than
-    Zen 3's decoded-op cache holds; as a loop Q4_K batches ran 1.4-1.6x faster and Q6_K's
-    1.2-1.3x (docs/BENCHMARKS.md "Quantized GEMV")."""
-    if isa == "vnni":
-        for i in range(n):
-            body(_c64(i))
-        return
+def _repeat(builder: ir.IRBuilder, n: int, body) -> None:
+    """body(i) for i in range(n) as one runtime loop. Unrolled, a K-quant block at four vectors
+    was ~3,000 AVX2 instructions, more than Zen 3's decoded-op cache holds; as a loop Q4_K
+    batches ran 1.2-1.6x faster on AVX2 and on VNNI alike (docs/BENCHMARKS.md "Quantized GEMV")."""
     with cgutils.for_range(builder, _c64(n)) as loop:
         body(loop.index)
 
@@ -232,8 +227,7 @@ def _q4k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: 
 
     def pair(p: ir.Value) -> None:
         for half in range(2):  # sub-block j = 2p + half
-            if isa != "vnni":
-                _prefetch_part(builder, gp, GROUP_BYTES[148], at(half, p, 2), 8)
+            _prefetch_part(builder, gp, GROUP_BYTES[148], at(half, p, 2), 8)
             sc = builder.fmul(builder.uitofp(_load(builder, gp, at(64 + 16 * half, p, 32), vb16), _VF16), d,
                               flags=_FUSE)
             mn = builder.fmul(builder.uitofp(_load(builder, gp, at(192 + 16 * half, p, 32), vb16), _VF16), dmin,
@@ -253,7 +247,7 @@ def _q4k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: 
                 total = _call(builder, "llvm.fmuladd.v16f32", _VF16, [xa, sc, builder.load(acc)])
                 builder.store(_call(builder, "llvm.fmuladd.v16f32", _VF16, [mn, nsa, total]), acc)
 
-    _repeat(builder, isa, 4, pair)
+    _repeat(builder, 4, pair)
 
 
 def _opaque_zero(builder: ir.IRBuilder) -> ir.Value:
@@ -275,8 +269,7 @@ def _q6k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: 
 
     def run(h: ir.Value) -> None:  # the run of 128 weights h: sub-block k = 4h + kk
         for kk in range(4):
-            if isa != "vnni":
-                _prefetch_part(builder, gp, GROUP_BYTES[210], at(kk, h, 4), 8)
+            _prefetch_part(builder, gp, GROUP_BYTES[210], at(kk, h, 4), 8)
             for half in range(2):
                 dsc = builder.fmul(builder.sitofp(_load(builder, gp, at(32 + 16 * (2 * kk + half), h, 128),
                                                         ir.VectorType(_I8, 16)), _VF16), d,
@@ -304,7 +297,7 @@ def _q6k_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs: 
                     da = _splat(builder, _load(builder, rec, at(512 + 4 * kk, h, 16), _F32), LANES)
                     builder.store(_call(builder, "llvm.fmuladd.v16f32", _VF16, [xa, da, builder.load(acc)]), acc)
 
-    _repeat(builder, isa, 2, run)
+    _repeat(builder, 2, run)
 
 
 # Each block's loop prefetches the lines of the group block this many bytes ahead into L2.
@@ -326,8 +319,8 @@ def _prefetch_lines(builder: ir.IRBuilder, p: ir.Value, nbytes: int) -> None:
 def _prefetch_part(builder: ir.IRBuilder, gp: ir.Value, G: int, part: ir.Value, parts: int) -> None:
     """Prefetch part `part` of `parts` of the group block PREFETCH_BYTES ahead of gp (G bytes;
     one part: the whole block). In parts a long block's lines are asked for a few at a time as
-    it is computed: a K-quant block's 37-53 lines at once, off VNNI, left Q4_K reading 10 GB/s
-    from memory."""
+    it is computed: a K-quant block's 37-53 lines at once left Q4_K reading 10 GB/s from memory
+    on AVX2."""
     span = -(-G // parts)
     ahead = -(-PREFETCH_BYTES // G) * G
     _prefetch_lines(builder, builder.gep(gp, [_offset(builder, ahead, part, span)]), -(-span // 64) * 64)
@@ -353,7 +346,7 @@ def _lane_dots(bb: int, V: int):
             with cgutils.for_range(builder, nb_v) as loop:
                 b = loop.index
                 gp = builder.gep(gbase, [builder.mul(b, _c64(G))])
-                if isa == "vnni" or bb not in (148, 210):  # K-quants off VNNI: in parts, as computed
+                if bb not in (148, 210):  # K-quant blocks prefetch in parts, as computed
                     _prefetch_part(builder, gp, G, _c64(0), 1)
                 recs = [builder.gep(ap, [builder.mul(b, _c64(576 if bb in (148, 210) else 72))]) for ap in act_ptrs]
                 if bb == 148:

@@ -39,7 +39,6 @@ from numba import cfunc, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import amx
 from .block_ir import _F32, _FUSE, _I8, _I16, _I32, _c64, _call, _isa, _load, _splat
 from .symbols import compile_lock, export, symbol_call
 
@@ -169,7 +168,12 @@ def _small_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs
     (pmaddubsw would saturate) and add 128 x the 4-sums back, so every CPU multiplies the
     same integers."""
     signed = bb == 34 and isa != "vnni"
-    dw, mw = _small_scales(builder, gp, bb)
+    bias = {18: 8, 34: 128}.get(bb, 0)
+    dw = _half_lanes(builder, gp, 0)
+    if bb == 20:
+        mw = _half_lanes(builder, gp, 32)
+    elif bias:
+        mw = builder.fmul(dw, ir.Constant(_VF16, [float(-bias)] * LANES), flags=_FUSE)  # exact
     chunks = _chunks(builder, gp, bb, isa)
     zero = ir.Constant(_VI16, [0] * LANES)
     # two partial sums per vector, the chunks emitted vector by vector: 2V chains of 4
@@ -182,83 +186,17 @@ def _small_block(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], accs
             a4 = _splat(builder, _load(builder, rec, off, _I32), LANES)
             parts[c % nsum].add(j, q, builder.bitcast(a4, _VB64))
     for j in range(len(recs)):
+        rec = recs[j]
         isum = parts[0].result(j) if nsum == 1 else builder.add(parts[0].result(j), parts[1].result(j))
-        _small_tail(builder, recs[j], accs[j], isum, dw, mw, signed)
-
-
-def _small_scales(builder: ir.IRBuilder, gp: ir.Value, bb: int) -> tuple[ir.Value, ir.Value]:
-    """A small-format group block's 16 scales d and offsets m (Q4_1's, or -bias x d)."""
-    bias = {18: 8, 34: 128}.get(bb, 0)
-    dw = _half_lanes(builder, gp, 0)
-    if bb == 20:
-        return dw, _half_lanes(builder, gp, 32)
-    return dw, builder.fmul(dw, ir.Constant(_VF16, [float(-bias)] * LANES), flags=_FUSE)  # exact
-
-
-def _small_tail(builder: ir.IRBuilder, rec: ir.Value, acc: ir.Value, isum: ir.Value, dw: ir.Value, mw: ir.Value,
-                signed: bool) -> None:
-    """acc += (isum * da) * d + m * sa for one vector's record: isum its 16 int32 dots with
-    the block's quants (read as int8 when signed: Q8_0 off VNNI)."""
-    if signed:  # back to the unsigned quants' dot: + 128 x the block's activation sum
-        total = _call(builder, "llvm.vector.reduce.add.v8i32", _I32, [_load(builder, rec, 32, ir.VectorType(_I32, 8))])
-        isum = builder.add(isum, _splat(builder, builder.mul(total, ir.Constant(_I32, 128)), LANES))
-    da = _splat(builder, _load(builder, rec, 64, _F32), LANES)
-    xa = builder.fmul(builder.sitofp(isum, _VF16), da, flags=_FUSE)
-    total = _call(builder, "llvm.fmuladd.v16f32", _VF16, [xa, dw, builder.load(acc)])
-    sa = _splat(builder, _load(builder, rec, 68, _F32), LANES)  # the activations' fp32 32-sum
-    builder.store(_call(builder, "llvm.fmuladd.v16f32", _VF16, [mw, sa, total]), acc)
-
-
-# AMX (ops/amx.py) takes a batch's small-format blocks from this many vectors on: one tile
-# product per block for all of them, where VNNI spends eight vpdpbusd per vector
-AMX_MIN_VECTORS = 2
-AMX_FORMATS = (18, 20, 34)
-# Blocks in flight: tile registers are not renamed, so a block's load-multiply-store chain
-# through one set of tiles waits for the last block's; each of the two blocks of a step has
-# its own set: sums C (V x 16 int32), activations A (V x 32 int8), quants B (8 x 64)
-AMX_STEP = 2
-_TILES = [(k, AMX_STEP + k, 2 * AMX_STEP + k) for k in range(AMX_STEP)]  # (C, A, B) per block of a step
-
-
-def _c32(k: int) -> ir.Constant:
-    return ir.Constant(_I32, k)
-
-
-def _amx_tile_config(V: int) -> ir.Constant:
-    shapes = {}
-    for c, a, b in _TILES:
-        shapes.update({c: (V, 64), a: (V, 32), b: (8, 64)})
-    return amx.tile_config(shapes)
-
-
-def _unpack_chunks(builder: ir.IRBuilder, gp: ir.Value, bb: int, dst: ir.Value) -> None:
-    """A Q4 group block's 8 chunks of unpacked quants (`_chunks`) stored at dst, 64 bytes each."""
-    for c, (q, _) in enumerate(_chunks(builder, gp, bb, "vnni")):
-        builder.store(q, builder.gep(dst, [_c64(0), _c32(c)]))
-
-
-def _amx_small_blocks(builder: ir.IRBuilder, blocks: list[tuple[ir.Value, list[ir.Value], ir.Value]],
-                      accs: list[ir.Value], bb: int, stride: ir.Value, sums: ir.Value) -> None:
-    """`_small_block` for the (group block, records, quant rows) of `blocks` (up to AMX_STEP),
-    each by one AMX tile product: the block's 8 quant chunks of 64 bytes (in the order of the
-    activations' 32 bytes, as `_chunks` gives them; Q8_0's as they lie in the group block,
-    Q4's unpacked) are tile B's rows, the V records' int8 tile A's (`stride` bytes apart), and
-    C = A B holds vector j's 16 int32 dots in row j, the integers VNNI's vpdpbusd chains add
-    up; stored to `sums`, each row ends as `_small_tail`."""
-    scales = [_small_scales(builder, gp, bb) for gp, _, _ in blocks]
-    for k, (_, recs, quants) in enumerate(blocks):
-        c_tile, a_tile, b_tile = _TILES[k]
-        amx.load(builder, b_tile, quants, _c64(64))
-        amx.load(builder, a_tile, recs[0], stride)
-        amx.zero(builder, c_tile)
-        amx.dot_signed_unsigned(builder, c_tile, a_tile, b_tile)
-    for k in range(len(blocks)):
-        amx.store(builder, _TILES[k][0], builder.gep(sums, [_c64(0), _c32(k)]), 64)
-    for k, (_, recs, _) in enumerate(blocks):
-        dw, mw = scales[k]
-        for j, (rec, acc) in enumerate(zip(recs, accs)):
-            isum = builder.load(builder.gep(sums, [_c64(0), _c32(k), _c32(j)]))
-            _small_tail(builder, rec, acc, isum, dw, mw, False)
+        if signed:  # back to the unsigned quants' dot: + 128 x the block's activation sum
+            total = _call(builder, "llvm.vector.reduce.add.v8i32", _I32,
+                          [_load(builder, rec, 32, ir.VectorType(_I32, 8))])
+            isum = builder.add(isum, _splat(builder, builder.mul(total, ir.Constant(_I32, 128)), LANES))
+        da = _splat(builder, _load(builder, rec, 64, _F32), LANES)
+        xa = builder.fmul(builder.sitofp(isum, _VF16), da, flags=_FUSE)
+        total = _call(builder, "llvm.fmuladd.v16f32", _VF16, [xa, dw, builder.load(accs[j])])
+        sa = _splat(builder, _load(builder, rec, 68, _F32), LANES)  # the activations' fp32 32-sum
+        builder.store(_call(builder, "llvm.fmuladd.v16f32", _VF16, [mw, sa, total]), accs[j])
 
 
 def _offset(builder: ir.IRBuilder, base: int, i: ir.Value, stride: int) -> ir.Value:
@@ -388,86 +326,12 @@ def _prefetch_part(builder: ir.IRBuilder, gp: ir.Value, G: int, part: ir.Value, 
     _prefetch_lines(builder, builder.gep(gp, [_offset(builder, ahead, part, span)]), -(-span // 64) * 64)
 
 
-def _block_at(builder: ir.IRBuilder, gbase: ir.Value, act_ptrs: list[ir.Value], b: ir.Value,
-              bb: int) -> tuple[ir.Value, list[ir.Value]]:
-    """Group block b's address and its V activation records' (prefetching the block ahead; a
-    K-quant block prefetches in parts as it is computed)."""
-    G = GROUP_BYTES[bb]
-    gp = builder.gep(gbase, [builder.mul(b, _c64(G))])
-    if bb not in (148, 210):
-        _prefetch_part(builder, gp, G, _c64(0), 1)
-    return gp, [builder.gep(ap, [builder.mul(b, _c64(576 if bb in (148, 210) else 72))]) for ap in act_ptrs]
-
-
-def _vector_lane_dots(builder: ir.IRBuilder, gbase: ir.Value, nb: ir.Value, act_ptrs: list[ir.Value],
-                      accs: list[ir.Value], bb: int, isa: str) -> None:
-    """The nb group blocks into the accumulators by vector integer dots, a block at a time."""
-    with cgutils.for_range(builder, nb) as loop:
-        gp, recs = _block_at(builder, gbase, act_ptrs, loop.index, bb)
-        if bb == 148:
-            _q4k_block(builder, gp, recs, accs, isa)
-        elif bb == 210:
-            _q6k_block(builder, gp, recs, accs, isa)
-        else:
-            _small_block(builder, gp, recs, accs, bb, isa)
-
-
-def _amx_lane_dots(builder: ir.IRBuilder, gbase: ir.Value, nb: ir.Value, act_ptrs: list[ir.Value],
-                   acts_t: ir.Value, accs: list[ir.Value], bb: int, V: int) -> None:
-    """The nb small-format group blocks into the accumulators by AMX tile products,
-    AMX_STEP blocks a step (the records evenly spaced), the tiles configured for the call and
-    released after it. Q4 blocks are unpacked to the stack a step ahead: a tile load of
-    bytes just stored waited for the stores to reach the cache (the step ran at half speed)."""
-    stride = builder.sub(builder.extract_value(acts_t, 1), builder.extract_value(acts_t, 0))
-    unpacked = cgutils.alloca_once(builder, ir.ArrayType(ir.ArrayType(ir.ArrayType(_VB64, 8), AMX_STEP), 2))
-    sums = cgutils.alloca_once(builder, ir.ArrayType(ir.ArrayType(_VI16, V), AMX_STEP))
-    amx.load_config(builder, _amx_tile_config(V))
-    steps = builder.udiv(nb, _c64(AMX_STEP))
-    G = GROUP_BYTES[bb]
-
-    def unpack_step(step: ir.Value, slot: ir.Value) -> None:
-        for k in range(AMX_STEP):
-            gp = builder.gep(gbase, [builder.mul(builder.add(builder.mul(step, _c64(AMX_STEP)), _c64(k)), _c64(G))])
-            _unpack_chunks(builder, gp, bb, builder.gep(unpacked, [_c64(0), slot, _c32(k)]))
-
-    if bb != 34:
-        with cgutils.if_likely(builder, builder.icmp_unsigned(">", steps, _c64(0))):
-            unpack_step(_c64(0), _c64(0))
-    with cgutils.for_range(builder, steps) as loop:
-        i = loop.index
-        slot = builder.and_(i, _c64(1))
-        if bb != 34:  # the next step's (the last step's again at the end: harmless)
-            last = builder.sub(steps, _c64(1))
-            nxt = builder.add(i, _c64(1))
-            unpack_step(builder.select(builder.icmp_unsigned("<", nxt, steps), nxt, last), builder.xor(slot, _c64(1)))
-        blocks = []
-        for k in range(AMX_STEP):
-            gp, recs = _block_at(builder, gbase, act_ptrs, builder.add(builder.mul(i, _c64(AMX_STEP)), _c64(k)), bb)
-            quants = builder.gep(gp, [_c64(quant_start(bb))]) if bb == 34 else \
-                builder.gep(unpacked, [_c64(0), slot, _c32(k)])
-            blocks.append((gp, recs, quants))
-        _amx_small_blocks(builder, blocks, accs, bb, stride, sums)
-    with cgutils.for_range_slice(builder, builder.mul(steps, _c64(AMX_STEP)), nb, _c64(1)) as (b, _):
-        gp, recs = _block_at(builder, gbase, act_ptrs, b, bb)
-        if bb == 34:
-            quants = builder.gep(gp, [_c64(quant_start(bb))])
-        else:
-            quants = builder.gep(unpacked, [_c64(0), _c64(0), _c32(0)])
-            _unpack_chunks(builder, gp, bb, quants)
-        _amx_small_blocks(builder, [(gp, recs, quants)], accs, bb, stride, sums)
-    amx.release(builder)
-
-
-def _lane_dots(bb: int, V: int, tiles: bool | None = None):
+def _lane_dots(bb: int, V: int):
     """An intrinsic (group, nb, acts, outs): for the 16 rows of the group block array at
     address `group` (nb group blocks of GROUP_BYTES[bb]) and V activation records (addresses
-    `acts`, `block_ir.quantize_acts` for bb; evenly spaced), adds the 16 dots of vector j to
-    the 16 fp32 at outs[j]. `tiles`: AMX tile products for the small formats (default: where
-    the process may use AMX and V >= AMX_MIN_VECTORS); the same bits either way."""
-    isa = _isa()
-    if tiles is None:
-        tiles = V >= AMX_MIN_VECTORS and amx.usable()
-    tiles = tiles and bb in AMX_FORMATS and 2 <= V <= 16
+    `acts`, `block_ir.quantize_acts` for bb), adds the 16 dots of vector j to the 16 fp32 at
+    outs[j]."""
+    G, isa = GROUP_BYTES[bb], _isa()
 
     @intrinsic
     def lane_dots(typingctx, group, nb, acts, outs):
@@ -479,10 +343,18 @@ def _lane_dots(bb: int, V: int, tiles: bool | None = None):
             gbase = builder.inttoptr(group_v, i8p)
             act_ptrs = [builder.inttoptr(builder.extract_value(acts_t, j), i8p) for j in range(V)]
             accs = [cgutils.alloca_once_value(builder, ir.Constant(_VF16, [0.0] * LANES)) for _ in range(V)]
-            if tiles:
-                _amx_lane_dots(builder, gbase, nb_v, act_ptrs, acts_t, accs, bb, V)
-            else:
-                _vector_lane_dots(builder, gbase, nb_v, act_ptrs, accs, bb, isa)
+            with cgutils.for_range(builder, nb_v) as loop:
+                b = loop.index
+                gp = builder.gep(gbase, [builder.mul(b, _c64(G))])
+                if bb not in (148, 210):  # K-quant blocks prefetch in parts, as computed
+                    _prefetch_part(builder, gp, G, _c64(0), 1)
+                recs = [builder.gep(ap, [builder.mul(b, _c64(576 if bb in (148, 210) else 72))]) for ap in act_ptrs]
+                if bb == 148:
+                    _q4k_block(builder, gp, recs, accs, isa)
+                elif bb == 210:
+                    _q6k_block(builder, gp, recs, accs, isa)
+                else:
+                    _small_block(builder, gp, recs, accs, bb, isa)
             for j in range(V):
                 out = builder.bitcast(builder.inttoptr(builder.extract_value(outs_t, j), i8p), _VF16.as_pointer())
                 prev = builder.load(out, align=4)

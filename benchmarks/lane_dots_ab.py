@@ -2,11 +2,11 @@
 side in one process: each version's dots compiled into the same prange GEMV over random
 blocks, rounds alternating, so that the machine's phases (a third on the 2-core dev machines)
 fall on both alike. Checks that both give the same bits, then prints G MAC/s and the per-round
-ratio new / old per format, shape and batch (batches in passes of four vectors, as AVX2 runs
-them; `lanes.MAX_VECTORS`).
+ratio new / old per format, shape and batch (batches in passes of --vectors vectors: four as
+AVX2 runs them, eight as VNNI does; `lanes.MAX_VECTORS`).
 
     python benchmarks/lane_dots_ab.py [--base HEAD] [--formats Q4_0,Q4_1,Q8_0,Q4_K,Q6_K]
-        [--batches 1,4,8] [--rounds 15]
+        [--batches 1,4,8] [--vectors 4] [--rounds 15]
 
 Shapes: 4096 x 4096 (7B attention; eight matrices cycled, streamed from memory) and 2048 x
 768 (in L2/L3, as a small model's matrices are).
@@ -46,34 +46,31 @@ def module_at(revision: str):
 
 
 def gemv(module, bb: int, V: int):
-    """A prange GEMV over a lanes matrix with `module`'s V-vector dots (V = 1 or 4): out[j] +=
-    W qa[j] for every vector j of qa, four at a time."""
+    """A prange GEMV over a lanes matrix with `module`'s V-vector dots: out[j] += W qa[j] for
+    every vector j of qa, V at a time (the batch a multiple of V)."""
     dots = module._lane_dots(bb, V)
-    if V == 1:
-        @njit(parallel=True)
-        def run(w, qa, out):
-            base, gs, a, o = w.ctypes.data, w.strides[0], qa.ctypes.data, out.ctypes.data
-            for g in prange(w.shape[0]):
-                dots(base + g * gs, w.shape[1], (a,), (o + 64 * g,))
-        return run
-
-    @njit(parallel=True)
-    def run4(w, qa, out):
-        base, gs, sa, so = w.ctypes.data, w.strides[0], qa.strides[0], out.strides[0]
-        for p in range(qa.shape[0] // 4):
-            a, o = qa.ctypes.data + 4 * p * sa, out.ctypes.data + 4 * p * so
-            for g in prange(w.shape[0]):
-                dots(base + g * gs, w.shape[1], (a, a + sa, a + 2 * sa, a + 3 * sa),
-                     (o + 64 * g, o + so + 64 * g, o + 2 * so + 64 * g, o + 3 * so + 64 * g))
-    return run4
+    acts = ", ".join(f"a + {j} * sa" for j in range(V))
+    outs = ", ".join(f"o + {j} * so + 64 * g" for j in range(V))
+    src = f"""
+def run(w, qa, out):
+    base, gs, sa, so = w.ctypes.data, w.strides[0], qa.strides[0], out.strides[0]
+    for p in range(qa.shape[0] // {V}):
+        a, o = qa.ctypes.data + {V} * p * sa, out.ctypes.data + {V} * p * so
+        for g in prange(w.shape[0]):
+            dots(base + g * gs, w.shape[1], ({acts},), ({outs},))
+"""
+    scope = {"dots": dots, "prange": prange}
+    exec(src, scope)  # numba needs the V-tuples spelled out
+    return njit(parallel=True)(scope["run"])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="HEAD", help="git revision of the old lane_ir.py")
     ap.add_argument("--formats", default="Q4_0,Q4_1,Q8_0,Q4_K,Q6_K")
-    ap.add_argument("--batches", default="1,4,8", help="vectors per GEMV: 1 or multiples of 4")
+    ap.add_argument("--batches", default="1,4,8", help="vectors per GEMV: 1 or multiples of --vectors")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--vectors", type=int, default=4, help="vectors per pass of a batch: 2, 4 or 8 (VNNI)")
     args = ap.parse_args()
     export = symbols.export
     symbols.export = lambda *a, **k: None
@@ -84,7 +81,7 @@ def main() -> None:
     numba.set_num_threads(2)
     rng = np.random.default_rng(0)
     print(f"lane dots: work tree (new) vs {args.base} (old), ISA {block_ir._isa()}, 2 threads, "
-          f"{args.rounds} rounds alternating\n")
+          f"{args.rounds} rounds alternating, batches in passes of {args.vectors} vectors\n")
     print("| format | shape | B | old G MAC/s | new G MAC/s | new / old (median of rounds) | range |")
     print("|---|---|---|---|---|---|---|")
     for fmt in args.formats.split(","):
@@ -96,7 +93,7 @@ def main() -> None:
                                                       lane_ir.LAST_AXIS[bb]) for _ in range(B)])
                 runs, outs = {}, {}
                 for name, mod in versions.items():
-                    runs[name] = gemv(mod, bb, 1 if B == 1 else 4)
+                    runs[name] = gemv(mod, bb, min(B, args.vectors))
                     outs[name] = np.zeros((B, rows), np.float32)
                     for w in mats:
                         runs[name](w, qa, outs[name])  # compiles

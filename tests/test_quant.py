@@ -223,6 +223,27 @@ def test_fused_rows_of_mixed_formats_are_widened_and_noted():
     assert notes == {"fused rows of mixed formats (Q4_K, Q6_K)"}
 
 
+def test_weight_parts_with_a_bias_give_each_batch_row_the_one_vector_gemv():
+    """A fused weight of mixed-format row parts with a bias (a Q4_K_M file's QKV in a family
+    with QKV biases): each row of a batch equals the one-vector GEMV of the same parts, bit
+    for bit, and both are the parts' dequantized product plus the bias."""
+    from powerinfer.ops import batch_decode
+
+    a, b = quantized(32, 96, "Q8_0", 1), quantized(16, 96, "Q4_0", 2)
+    parts = (lanes.interleave(a).numpy(), b.numpy())  # a lanes part and a row-blocks part
+    gen = torch.Generator().manual_seed(3)
+    bias, V = torch.randn(48, generator=gen), torch.randn(3, 96, generator=gen)
+    none = np.zeros(0, dtype=np.float32)
+    solo = np.zeros((3, 48), dtype=np.float32)
+    for s in range(3):
+        panels.gemv_any(parts, V[s].numpy(), bias.numpy(), none, solo[s], 2)
+    batch = np.zeros((3, 48), dtype=np.float32)
+    batch_decode.gemv(parts, V.numpy(), bias.numpy(), none, batch, 2)
+    assert np.array_equal(batch, solo)
+    want = acts(V) @ torch.cat([quant.dequantize(a), quant.dequantize(b)]).T + bias
+    torch.testing.assert_close(torch.from_numpy(batch), want, atol=2e-4, rtol=1e-4)
+
+
 def test_fused_qkv_of_mixed_formats_keeps_each_part(tmp_path):
     """Q4_K_M files store attn_v in another format than attn_q and attn_k: the fused QKV keeps
     each part in its own blocks (no bf16 copy), one token and a batch of sequences give the

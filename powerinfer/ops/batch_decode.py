@@ -23,7 +23,7 @@ from numba.extending import overload
 from .cpu import STREAMS, _act, attend_chunk, attention_chunks, dot4, merge_chunks, row_dot, rms_norm, write_kv
 from .decode import _gated_value, gated_values_rows
 from .numba_half import widen
-from .panels import in_features, out_features
+from .panels import in_features, out_features, weight_parts
 from .block_ir import dot_row, dot_vecs2, dot_vecs4, dot_vecs8, quantize_acts_rows
 from .lanes import add_matvec_lanes_batch
 
@@ -108,7 +108,7 @@ def matvec_into(w, V, b, X, threads):  # pragma: no cover - only its numba overl
 @overload(matvec_into)
 def _matvec_into(w, V, b, X, threads):
     if isinstance(w, types.BaseTuple):  # row parts of mixed formats, as panels.matvec_into
-        return lambda w, V, b, X, threads: _add_bias(X, b, _matvec_parts(w, V, X, threads))
+        return lambda w, V, b, X, threads: _add_parts(w, V, b, X, threads)
     if w.ndim == 4:
         return lambda w, V, b, X, threads: add_matvec_lanes_batch(w, V, b, X, threads)
     if w.ndim == 3 and w.dtype == types.uint8:
@@ -118,40 +118,7 @@ def _matvec_into(w, V, b, X, threads):
     return lambda w, V, b, X, threads: add_matvec_rows(w, V, b, X)
 
 
-@njit(inline="always")
-def _part_into(w, V, X, first, threads):
-    """X[:, first:first + rows] += W V^T for one part (`panels._part_into` per sequence)."""
-    rows = out_features(w)
-    part = np.zeros((V.shape[0], rows), dtype=np.float32)
-    matvec_into(w, V, _NO_BIAS, part, threads)
-    X[:, first:first + rows] += part
-    return first + rows
-
-
-def _matvec_parts(w, V, X, threads):  # pragma: no cover - only its numba overload runs
-    raise NotImplementedError("_matvec_parts() is for numba kernels")
-
-
-@overload(_matvec_parts)
-def _matvec_parts_any(w, V, X, threads):
-    if len(w) == 2:
-        return lambda w, V, X, threads: _part_into(w[1], V, X, _part_into(w[0], V, X, 0, threads), threads)
-    if len(w) == 3:
-        return lambda w, V, X, threads: _part_into(
-            w[2], V, X, _part_into(w[1], V, X, _part_into(w[0], V, X, 0, threads), threads), threads)
-    raise TypeError("weight parts: two or three")
-
-
-@njit(inline="always")
-def _add_bias(X, b, _):
-    """+= b (when given) after the parts' GEMVs, whose result is the unused third argument:
-    taking it orders the calls in the one-expression lambda."""
-    if b.shape[0] > 0:
-        for s in range(X.shape[0]):
-            X[s] += b
-
-
-_NO_BIAS = np.zeros(0, dtype=np.float32)
+_add_parts = weight_parts(matvec_into)  # the mixed-format parts, a batch at a time
 
 
 @njit(fastmath=True, cache=True, nogil=True)

@@ -164,7 +164,7 @@ def matvec_into(w, v, b, x, threads):  # pragma: no cover - only its numba overl
 @overload(matvec_into)
 def _matvec_into(w, v, b, x, threads):
     if isinstance(w, types.BaseTuple):  # row parts of mixed formats (a Q4_K_M file's fused QKV)
-        return lambda w, v, b, x, threads: _add_bias(x, b, _matvec_parts(w, v, x, threads))
+        return lambda w, v, b, x, threads: _add_parts(w, v, b, x, threads)
     if w.ndim == 4:  # GGUF blocks re-laid 16 rows at a time (ops/lanes.py)
         return lambda w, v, b, x, threads: add_matvec_lanes(w, v, b, x, threads)
     if w.ndim == 3 and w.dtype == types.uint8:  # GGUF quantized blocks (ops/quant.py)
@@ -174,40 +174,48 @@ def _matvec_into(w, v, b, x, threads):
     return lambda w, v, b, x, threads: add_matvec(w, v, b, x)
 
 
-@njit(inline="always")
-def _part_into(w, v, x, first, threads):
-    """x[first:first + rows] += W v for one part (W's own kernel into a zeroed buffer, so
-    the part's rows are what its one-format GEMV gives); returns the next part's first row."""
-    rows = out_features(w)
-    part = np.zeros(rows, dtype=np.float32)
-    matvec_into(w, v, _NO_BIAS, part, threads)
-    x[first:first + rows] += part
-    return first + rows
+def weight_parts(matvec_into):
+    """A numba function (w, v, b, x, threads): x += W v (+ b) for W a tuple of two or three
+    row parts of mixed formats (a Q4_K_M file's fused QKV), each part's rows by
+    `matvec_into` (this module's for one vector v, `batch_decode`'s for a batch V, x then
+    (S, rows)) into a zeroed buffer, so they are what that part's one-format kernel gives."""
 
+    @njit(inline="always")
+    def part_into(w, v, x, first, threads):  # returns the next part's first row
+        rows = out_features(w)
+        part = np.zeros_like(x[..., first:first + rows])
+        matvec_into(w, v, _NO_BIAS, part, threads)
+        x[..., first:first + rows] += part
+        return first + rows
 
-def _matvec_parts(w, v, x, threads):  # pragma: no cover - only its numba overload runs
-    raise NotImplementedError("_matvec_parts() is for numba kernels")
+    def parts_into(w, v, x, threads):  # pragma: no cover - only its numba overload runs
+        raise NotImplementedError("parts_into() is for numba kernels")
 
+    @overload(parts_into)
+    def _parts_into(w, v, x, threads):
+        if len(w) == 2:
+            return lambda w, v, x, threads: part_into(w[1], v, x, part_into(w[0], v, x, 0, threads), threads)
+        if len(w) == 3:
+            return lambda w, v, x, threads: part_into(
+                w[2], v, x, part_into(w[1], v, x, part_into(w[0], v, x, 0, threads), threads), threads)
+        raise TypeError("weight parts: two or three")
 
-@overload(_matvec_parts)
-def _matvec_parts_any(w, v, x, threads):
-    if len(w) == 2:
-        return lambda w, v, x, threads: _part_into(w[1], v, x, _part_into(w[0], v, x, 0, threads), threads)
-    if len(w) == 3:
-        return lambda w, v, x, threads: _part_into(
-            w[2], v, x, _part_into(w[1], v, x, _part_into(w[0], v, x, 0, threads), threads), threads)
-    raise TypeError("weight parts: two or three")
+    @njit(inline="always")
+    def add_bias(x, b, _):
+        """+= b (when given) after the parts, whose result is the unused third argument:
+        taking it orders the calls."""
+        if b.shape[0] > 0:
+            x += b
 
+    @njit(inline="always")
+    def add_parts(w, v, b, x, threads):
+        add_bias(x, b, parts_into(w, v, x, threads))
 
-@njit(inline="always")
-def _add_bias(x, b, _):
-    """+= b (when given) after the parts' GEMVs, whose result is the unused third argument:
-    taking it orders the calls in the one-expression lambda."""
-    if b.shape[0] > 0:
-        x += b
+    return add_parts
 
 
 _NO_BIAS = np.zeros(0, dtype=np.float32)
+_add_parts = weight_parts(matvec_into)
 
 
 def out_features(w):  # pragma: no cover - only its numba overload runs

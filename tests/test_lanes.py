@@ -90,6 +90,38 @@ def test_batches_and_prefill_equal_the_gemv_bit_for_bit(fmt):
     torch.testing.assert_close(torch.from_numpy(solo), acts(X) @ quant.dequantize(t).T, atol=2e-4, rtol=1e-4)
 
 
+@njit
+def _groups_one_by_one(w, QA, X):
+    for g in range(w.shape[0]):
+        lanes.group_dots_batch(w, g, QA, X)
+
+
+@njit
+def _groups_by_pairs(w, QA, X):
+    half = w.shape[0] // 2
+    for g in range(half):
+        lanes.group_pair_dots_batch(w, g, g + half, QA, X)
+    if w.shape[0] % 2:
+        lanes.group_dots_batch(w, w.shape[0] - 1, QA, X)
+
+
+@pytest.mark.parametrize("fmt", lanes.FORMATS)
+def test_groups_in_pairs_give_each_group_its_own_bits(fmt):
+    """Two groups' blocks alternating in one loop (how a batch runs where `lanes.PAIRED`):
+    every batch size (passes of eight, four, two, one) and an odd group count give the bits
+    of the groups taken one at a time, which the GEMV's equal."""
+    t = quantized(16 * 5, 320, fmt, seed=4)
+    w = lanes.interleave(t).numpy()
+    V = torch.randn(11, quant.shape_of(t)[1], generator=torch.Generator().manual_seed(5)).numpy()
+    for B in (1, 2, 3, 4, 6, 8, 11):
+        QA = block_ir.quantize_acts_rows(V[:B], lanes._row_bytes(w.shape[3]))
+        single, paired = np.zeros((B, 80), dtype=np.float32), np.zeros((B, 80), dtype=np.float32)
+        _groups_one_by_one(w, QA, single)
+        _groups_by_pairs(w, QA, paired)
+        assert np.array_equal(paired, single), B
+        assert np.abs(single).max() > 0
+
+
 _GEMVS: dict[tuple[str, int], object] = {}  # one compile per worker (~0.7 s each); the ISA is fixed when made
 
 

@@ -326,39 +326,45 @@ def _prefetch_part(builder: ir.IRBuilder, gp: ir.Value, G: int, part: ir.Value, 
     _prefetch_lines(builder, builder.gep(gp, [_offset(builder, ahead, part, span)]), -(-span // 64) * 64)
 
 
-def _lane_dots(bb: int, V: int):
+def _lane_dots(bb: int, V: int, groups: int = 1):
     """An intrinsic (group, nb, acts, outs): for the 16 rows of the group block array at
     address `group` (nb group blocks of GROUP_BYTES[bb]) and V activation records (addresses
     `acts`, `block_ir.quantize_acts` for bb), adds the 16 dots of vector j to the 16 fp32 at
-    outs[j]."""
+    outs[j]. With `groups` = 2, `group` is two such arrays' addresses and outs 2V addresses
+    (the first array's V, then the second's): the two arrays' blocks alternate in one loop,
+    each into its own accumulators, so each gets the one-array bits (why: `lanes.PAIRED`)."""
     G, isa = GROUP_BYTES[bb], _isa()
 
     @intrinsic
     def lane_dots(typingctx, group, nb, acts, outs):
-        sig = types.none(types.int64, types.int64, types.UniTuple(types.int64, V), types.UniTuple(types.int64, V))
+        group_t = types.int64 if groups == 1 else types.UniTuple(types.int64, groups)
+        sig = types.none(group_t, types.int64, types.UniTuple(types.int64, V), types.UniTuple(types.int64, V * groups))
 
         def codegen(context, builder, signature, args):
             group_v, nb_v, acts_t, outs_t = args
             i8p = _I8.as_pointer()
-            gbase = builder.inttoptr(group_v, i8p)
+            gbases = [builder.inttoptr(group_v if groups == 1 else builder.extract_value(group_v, k), i8p)
+                      for k in range(groups)]
             act_ptrs = [builder.inttoptr(builder.extract_value(acts_t, j), i8p) for j in range(V)]
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(_VF16, [0.0] * LANES)) for _ in range(V)]
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(_VF16, [0.0] * LANES)) for _ in range(V)]
+                    for _ in range(groups)]
             with cgutils.for_range(builder, nb_v) as loop:
                 b = loop.index
-                gp = builder.gep(gbase, [builder.mul(b, _c64(G))])
-                if bb not in (148, 210):  # K-quant blocks prefetch in parts, as computed
-                    _prefetch_part(builder, gp, G, _c64(0), 1)
                 recs = [builder.gep(ap, [builder.mul(b, _c64(576 if bb in (148, 210) else 72))]) for ap in act_ptrs]
-                if bb == 148:
-                    _q4k_block(builder, gp, recs, accs, isa)
-                elif bb == 210:
-                    _q6k_block(builder, gp, recs, accs, isa)
-                else:
-                    _small_block(builder, gp, recs, accs, bb, isa)
-            for j in range(V):
+                for gbase, group_accs in zip(gbases, accs):
+                    gp = builder.gep(gbase, [builder.mul(b, _c64(G))])
+                    if bb not in (148, 210):  # K-quant blocks prefetch in parts, as computed
+                        _prefetch_part(builder, gp, G, _c64(0), 1)
+                    if bb == 148:
+                        _q4k_block(builder, gp, recs, group_accs, isa)
+                    elif bb == 210:
+                        _q6k_block(builder, gp, recs, group_accs, isa)
+                    else:
+                        _small_block(builder, gp, recs, group_accs, bb, isa)
+            for j, acc in enumerate(a for group_accs in accs for a in group_accs):
                 out = builder.bitcast(builder.inttoptr(builder.extract_value(outs_t, j), i8p), _VF16.as_pointer())
                 prev = builder.load(out, align=4)
-                builder.store(builder.fadd(prev, builder.load(accs[j]), flags=_FUSE), out, align=4)
+                builder.store(builder.fadd(prev, builder.load(acc), flags=_FUSE), out, align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -366,11 +372,11 @@ def _lane_dots(bb: int, V: int):
     return lane_dots
 
 
-def _dispatch(V: int):
+def _dispatch(V: int, groups: int = 1):
     """A numba function (bb, group, nb, acts, outs) running the V-vector lane dots of
-    format bb (the array's last axis): a chain of branches, each intrinsic compiled for its
-    format alone."""
-    d18, d20, d34, d148, d210 = (_lane_dots(bb, V) for bb in LAST_AXIS)
+    format bb (the array's last axis) over `groups` arrays: a chain of branches, each
+    intrinsic compiled for its format alone."""
+    d18, d20, d34, d148, d210 = (_lane_dots(bb, V, groups) for bb in LAST_AXIS)
 
     @njit(inline="always")
     def dots(bb, group, nb, acts, outs):
@@ -417,6 +423,25 @@ for _v, _c in ((1, _c_dots1), (2, _c_dots2), (4, _c_dots4), (8, _c_dots8)):
     export(f"powerinfer_lane_dots{_v}", _c)
 _call1, _call2, _call4, _call8 = (symbol_call(f"powerinfer_lane_dots{v}") for v in (1, 2, 4, 8))
 
+# two groups at eight vectors spilled registers and ran slower than one at a time: not made
+_pair2, _pair4 = _dispatch(2, 2), _dispatch(4, 2)
+# (bb, groups, nb, acts, outs): the two arrays' addresses, V records, 2V outputs
+_C_PAIR_SIG = types.void(types.int64, _I64P, types.int64, _I64P, _I64P)
+
+with compile_lock("lane_pair_dots"):
+    @cfunc(_C_PAIR_SIG, cache=True)
+    def _c_pair2(bb, group, nb, acts, outs):
+        _pair2(bb, (group[0], group[1]), nb, (acts[0], acts[1]), (outs[0], outs[1], outs[2], outs[3]))
+
+    @cfunc(_C_PAIR_SIG, cache=True)
+    def _c_pair4(bb, group, nb, acts, outs):
+        _pair4(bb, (group[0], group[1]), nb, (acts[0], acts[1], acts[2], acts[3]),
+               (outs[0], outs[1], outs[2], outs[3], outs[4], outs[5], outs[6], outs[7]))
+
+for _v, _c in ((2, _c_pair2), (4, _c_pair4)):
+    export(f"powerinfer_lane_pair_dots{_v}", _c)
+_pcall2, _pcall4 = (symbol_call(f"powerinfer_lane_pair_dots{v}") for v in (2, 4))
+
 
 @njit(inline="always")
 def lane_dots1(bb, group, nb, acts, outs):
@@ -442,3 +467,16 @@ def lane_dots4(bb, group, nb, acts, outs):
 def lane_dots8(bb, group, nb, acts, outs):
     """`lane_dots1` for eight vectors, each group block unpacked once for the eight."""
     _call8((bb, group, nb, acts, outs))
+
+
+@njit(inline="always")
+def lane_pair_dots2(bb, groups, nb, acts, outs):
+    """`lane_dots2` over the two group block arrays at groups[0] and groups[1] (the same
+    records), their blocks alternating: outs[0:2] the first array's, outs[2:4] the second's."""
+    _pcall2((bb, groups, nb, acts, outs))
+
+
+@njit(inline="always")
+def lane_pair_dots4(bb, groups, nb, acts, outs):
+    """`lane_pair_dots2` for four vectors (outs: the first array's four, then the second's)."""
+    _pcall4((bb, groups, nb, acts, outs))

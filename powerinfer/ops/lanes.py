@@ -25,12 +25,20 @@ from numba import njit, prange
 
 from . import quant
 from .block_ir import _isa, quantize_acts, quantize_acts_rows
-from .lane_ir import LAST_AXIS, LANES, lane_dots1, lane_dots2, lane_dots4, lane_dots8, quant_start
+from .lane_ir import (LAST_AXIS, LANES, lane_dots1, lane_dots2, lane_dots4, lane_dots8, lane_pair_dots2, lane_pair_dots4,
+                      quant_start)
 
 FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 # Vectors per pass over a group of rows in a batch: AVX2 has 16 vector registers, and the
 # accumulators of 16 rows x 8 vectors alone overflow them (docs/BENCHMARKS.md "Batched decode").
 MAX_VECTORS = 8 if _isa() == "vnni" else 4
+# A batch's groups two at a time, far apart, their blocks alternating in one loop: a thread
+# then streams two places in memory, and a batched pass over a matrix streamed from memory
+# ran 10-20% faster (7B-shaped Q4_0, Intel Xeon, docs/BENCHMARKS.md "Batched decode"; one
+# vector gained nothing, so a single token keeps one group a call). Each group's dots are
+# the one-group kernel's bits. Off VNNI (16 AVX2 registers, already short at four vectors)
+# not measured, so not used.
+PAIRED = _isa() == "vnni"
 
 
 def fits(t: torch.Tensor) -> bool:
@@ -257,27 +265,83 @@ def group_dots_batch(w, g, QA, X):
         lane_dots1(bb, wg, nb, (q0 + s * qs,), (_at(X, s, g),))
 
 
+@njit(inline="always")
+def _pass8(w, g, QA, X, s):
+    """Rows s..s+7 of X at group g += the group's dots with QA[s..s+7]."""
+    q0, qs = QA.ctypes.data, QA.strides[0]
+    lane_dots8(w.shape[3], _group(w, g), w.shape[1],
+               (q0 + s * qs, q0 + (s + 1) * qs, q0 + (s + 2) * qs, q0 + (s + 3) * qs, q0 + (s + 4) * qs,
+                q0 + (s + 5) * qs, q0 + (s + 6) * qs, q0 + (s + 7) * qs),
+               (_at(X, s, g), _at(X, s + 1, g), _at(X, s + 2, g), _at(X, s + 3, g), _at(X, s + 4, g),
+                _at(X, s + 5, g), _at(X, s + 6, g), _at(X, s + 7, g)))
+
+
+@njit(inline="always")
+def group_pair_dots_batch(w, g, h, QA, X):
+    """`group_dots_batch` for groups g and h at once (`PAIRED`): the same passes of eight,
+    four, two and one vectors, the same bits; the passes of four and two run both groups'
+    blocks alternating in one loop (eight vectors of two groups spilled registers and ran
+    slower than one group at a time)."""
+    nb, bb = w.shape[1], w.shape[3]
+    B = QA.shape[0]
+    q0 = QA.ctypes.data
+    qs = QA.strides[0]
+    groups = (_group(w, g), _group(w, h))
+    s = 0
+    while MAX_VECTORS >= 8 and B - s >= 8:  # eight vectors of two groups spilled registers: one group a call
+        _pass8(w, g, QA, X, s)
+        _pass8(w, h, QA, X, s)
+        s += 8
+    while MAX_VECTORS >= 4 and B - s >= 4:
+        lane_pair_dots4(bb, groups, nb, (q0 + s * qs, q0 + (s + 1) * qs, q0 + (s + 2) * qs, q0 + (s + 3) * qs),
+                        (_at(X, s, g), _at(X, s + 1, g), _at(X, s + 2, g), _at(X, s + 3, g), _at(X, s, h),
+                         _at(X, s + 1, h), _at(X, s + 2, h), _at(X, s + 3, h)))
+        s += 4
+    while B - s >= 2:
+        lane_pair_dots2(bb, groups, nb, (q0 + s * qs, q0 + (s + 1) * qs),
+                        (_at(X, s, g), _at(X, s + 1, g), _at(X, s, h), _at(X, s + 1, h)))
+        s += 2
+    if s < B:
+        lane_dots1(bb, groups[0], nb, (q0 + s * qs,), (_at(X, s, g),))
+        lane_dots1(bb, groups[1], nb, (q0 + s * qs,), (_at(X, s, h),))
+
+
 @njit(fastmath=True, cache=True, nogil=True)  # called, not inlined: one compile for the team kernels' uses
 def add_groups(w, b, QA, X, lo, hi, zero):
     """X[:, 16g:16g + 16] (zeroed first when `zero`) += W QA[s] (+ b) for groups g in [lo, hi),
-    every row s of the records QA (one row: a single token's GEMV, the same dots)."""
-    for g in range(lo, hi):
-        if zero:
-            X[:, g * LANES:(g + 1) * LANES] = 0.0
-        group_dots_batch(w, g, QA, X)
-        if b.shape[0] > 0:
-            for s in range(X.shape[0]):
-                for k in range(g * LANES, (g + 1) * LANES):
-                    X[s, k] += b[k]
+    every row s of the records QA (one row: a single token's GEMV, the same dots); a batch
+    takes the groups in pairs (g, g + half the range) where `PAIRED`."""
+    if zero:
+        X[:, lo * LANES:hi * LANES] = 0.0
+    if PAIRED and QA.shape[0] > 1:
+        half = (hi - lo) // 2
+        for g in range(lo, lo + half):
+            group_pair_dots_batch(w, g, g + half, QA, X)
+        if (hi - lo) % 2:
+            group_dots_batch(w, hi - 1, QA, X)
+    else:
+        for g in range(lo, hi):
+            group_dots_batch(w, g, QA, X)
+    if b.shape[0] > 0:
+        for s in range(X.shape[0]):
+            for k in range(lo * LANES, hi * LANES):
+                X[s, k] += b[k]
 
 
 @njit(parallel=True, fastmath=True, cache=True)
 def _add_dots(w, QA, X):
     """X[s] += the dots of W's rows with QA[s]'s records, for every s, a group of 16 rows per
-    step (`group_dots_batch`). Every (row, vector) pair runs the same arithmetic, so a batch
-    row equals the GEMV's."""
-    for g in prange(w.shape[0]):
-        group_dots_batch(w, g, QA, X)
+    step (`group_dots_batch`; a batch two groups a step, `PAIRED`). Every (row, vector) pair
+    runs the same arithmetic, so a batch row equals the GEMV's."""
+    if PAIRED and QA.shape[0] > 1:
+        half = w.shape[0] // 2
+        for g in prange(half):
+            group_pair_dots_batch(w, g, g + half, QA, X)
+        if w.shape[0] % 2:
+            group_dots_batch(w, w.shape[0] - 1, QA, X)
+    else:
+        for g in prange(w.shape[0]):
+            group_dots_batch(w, g, QA, X)
 
 
 @njit(fastmath=True, cache=True)

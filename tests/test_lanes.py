@@ -98,11 +98,8 @@ def _groups_one_by_one(w, QA, X):
 
 @njit
 def _groups_by_pairs(w, QA, X):
-    half = w.shape[0] // 2
-    for g in range(half):
-        lanes.group_pair_dots_batch(w, g, g + half, QA, X)
-    if w.shape[0] % 2:
-        lanes.group_dots_batch(w, w.shape[0] - 1, QA, X)
+    for i in range(lanes.pair_steps(0, w.shape[0])):
+        lanes.pair_step(w, 0, w.shape[0], i, QA, X)
 
 
 @pytest.mark.parametrize("fmt", lanes.FORMATS)

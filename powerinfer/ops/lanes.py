@@ -238,6 +238,23 @@ def add_matvec_lanes(w, v, b, x, threads):
 
 
 @njit(inline="always")
+def _pass8(w, g, QA, X, s):
+    """Rows s..s+7 of X at group g += the group's dots with QA[s..s+7]."""
+    q0, qs = QA.ctypes.data, QA.strides[0]
+    lane_dots8(w.shape[3], _group(w, g), w.shape[1],
+               (q0 + s * qs, q0 + (s + 1) * qs, q0 + (s + 2) * qs, q0 + (s + 3) * qs, q0 + (s + 4) * qs,
+                q0 + (s + 5) * qs, q0 + (s + 6) * qs, q0 + (s + 7) * qs),
+               (_at(X, s, g), _at(X, s + 1, g), _at(X, s + 2, g), _at(X, s + 3, g), _at(X, s + 4, g),
+                _at(X, s + 5, g), _at(X, s + 6, g), _at(X, s + 7, g)))
+
+
+@njit(inline="always")
+def _pass1(w, g, QA, X, s):
+    """Row s of X at group g += the group's dots with QA[s]."""
+    lane_dots1(w.shape[3], _group(w, g), w.shape[1], (QA.ctypes.data + s * QA.strides[0],), (_at(X, s, g),))
+
+
+@njit(inline="always")
 def group_dots_batch(w, g, QA, X):
     """X[s, 16g:16g + 16] += rows 16g.. of W dotted with QA[s]'s records, for every s: eight
     vectors at a time (each chunk unpacked once for the eight; four on AVX2, MAX_VECTORS), then
@@ -249,10 +266,7 @@ def group_dots_batch(w, g, QA, X):
     wg = _group(w, g)
     s = 0
     while MAX_VECTORS >= 8 and B - s >= 8:
-        lane_dots8(bb, wg, nb, (q0 + s * qs, q0 + (s + 1) * qs, q0 + (s + 2) * qs, q0 + (s + 3) * qs,
-                                q0 + (s + 4) * qs, q0 + (s + 5) * qs, q0 + (s + 6) * qs, q0 + (s + 7) * qs),
-                   (_at(X, s, g), _at(X, s + 1, g), _at(X, s + 2, g), _at(X, s + 3, g), _at(X, s + 4, g),
-                    _at(X, s + 5, g), _at(X, s + 6, g), _at(X, s + 7, g)))
+        _pass8(w, g, QA, X, s)
         s += 8
     while MAX_VECTORS >= 4 and B - s >= 4:
         lane_dots4(bb, wg, nb, (q0 + s * qs, q0 + (s + 1) * qs, q0 + (s + 2) * qs, q0 + (s + 3) * qs),
@@ -262,18 +276,7 @@ def group_dots_batch(w, g, QA, X):
         lane_dots2(bb, wg, nb, (q0 + s * qs, q0 + (s + 1) * qs), (_at(X, s, g), _at(X, s + 1, g)))
         s += 2
     if s < B:
-        lane_dots1(bb, wg, nb, (q0 + s * qs,), (_at(X, s, g),))
-
-
-@njit(inline="always")
-def _pass8(w, g, QA, X, s):
-    """Rows s..s+7 of X at group g += the group's dots with QA[s..s+7]."""
-    q0, qs = QA.ctypes.data, QA.strides[0]
-    lane_dots8(w.shape[3], _group(w, g), w.shape[1],
-               (q0 + s * qs, q0 + (s + 1) * qs, q0 + (s + 2) * qs, q0 + (s + 3) * qs, q0 + (s + 4) * qs,
-                q0 + (s + 5) * qs, q0 + (s + 6) * qs, q0 + (s + 7) * qs),
-               (_at(X, s, g), _at(X, s + 1, g), _at(X, s + 2, g), _at(X, s + 3, g), _at(X, s + 4, g),
-                _at(X, s + 5, g), _at(X, s + 6, g), _at(X, s + 7, g)))
+        _pass1(w, g, QA, X, s)
 
 
 @njit(inline="always")
@@ -288,7 +291,7 @@ def group_pair_dots_batch(w, g, h, QA, X):
     qs = QA.strides[0]
     groups = (_group(w, g), _group(w, h))
     s = 0
-    while MAX_VECTORS >= 8 and B - s >= 8:  # eight vectors of two groups spilled registers: one group a call
+    while MAX_VECTORS >= 8 and B - s >= 8:
         _pass8(w, g, QA, X, s)
         _pass8(w, h, QA, X, s)
         s += 8
@@ -302,8 +305,25 @@ def group_pair_dots_batch(w, g, h, QA, X):
                         (_at(X, s, g), _at(X, s + 1, g), _at(X, s, h), _at(X, s + 1, h)))
         s += 2
     if s < B:
-        lane_dots1(bb, groups[0], nb, (q0 + s * qs,), (_at(X, s, g),))
-        lane_dots1(bb, groups[1], nb, (q0 + s * qs,), (_at(X, s, h),))
+        _pass1(w, g, QA, X, s)
+        _pass1(w, h, QA, X, s)
+
+
+@njit(inline="always")
+def pair_steps(lo, hi):
+    """Steps of `pair_step` over groups [lo, hi): a pair each, the last group alone when odd."""
+    return (hi - lo + 1) // 2
+
+
+@njit(inline="always")
+def pair_step(w, lo, hi, i, QA, X):
+    """Step i of the groups [lo, hi) taken in pairs: groups lo + i and lo + i + half (half =
+    (hi - lo) // 2; far apart, so a thread streams two places), or the odd last group alone."""
+    half = (hi - lo) // 2
+    if i < half:
+        group_pair_dots_batch(w, lo + i, lo + i + half, QA, X)
+    else:
+        group_dots_batch(w, hi - 1, QA, X)
 
 
 @njit(fastmath=True, cache=True, nogil=True)  # called, not inlined: one compile for the team kernels' uses
@@ -314,11 +334,8 @@ def add_groups(w, b, QA, X, lo, hi, zero):
     if zero:
         X[:, lo * LANES:hi * LANES] = 0.0
     if PAIRED and QA.shape[0] > 1:
-        half = (hi - lo) // 2
-        for g in range(lo, lo + half):
-            group_pair_dots_batch(w, g, g + half, QA, X)
-        if (hi - lo) % 2:
-            group_dots_batch(w, hi - 1, QA, X)
+        for i in range(pair_steps(lo, hi)):
+            pair_step(w, lo, hi, i, QA, X)
     else:
         for g in range(lo, hi):
             group_dots_batch(w, g, QA, X)
@@ -334,11 +351,8 @@ def _add_dots(w, QA, X):
     step (`group_dots_batch`; a batch two groups a step, `PAIRED`). Every (row, vector) pair
     runs the same arithmetic, so a batch row equals the GEMV's."""
     if PAIRED and QA.shape[0] > 1:
-        half = w.shape[0] // 2
-        for g in prange(half):
-            group_pair_dots_batch(w, g, g + half, QA, X)
-        if w.shape[0] % 2:
-            group_dots_batch(w, w.shape[0] - 1, QA, X)
+        for i in prange(pair_steps(0, w.shape[0])):
+            pair_step(w, 0, w.shape[0], i, QA, X)
     else:
         for g in prange(w.shape[0]):
             group_dots_batch(w, g, QA, X)

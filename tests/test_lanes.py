@@ -223,6 +223,40 @@ def test_q6k_records_pool_each_sixteen_values_bias_into_one_word():
     assert np.array_equal(other[0, 256:512].view(np.int32), q.reshape(64, 4).sum(axis=1))
 
 
+@pytest.mark.parametrize("bb", [18, 144])  # records of 32 values (Q4_0) and of 256 (Q4_K)
+def test_records_are_the_numpy_recipe_bit_for_bit_and_a_nan_makes_its_block_nan(bb):
+    """The vector IR records (`_absmax32`, `_round32`) against numpy: per 32 values d = amax /
+    127, q = rint(v * (127 / amax)) (ties to even: values on .5 included), the 4-sums, d and
+    d x the 32-sum; a NaN makes its block's scales NaN (the dots NaN, as `reference_acts`)
+    and leaves the other blocks as they were."""
+    rng = np.random.default_rng(11)
+    v = (rng.standard_normal(512) * 3).astype(np.float32)
+    v[32:64] = (rng.integers(-254, 255, 32) / 2).astype(np.float32)  # q = v exactly, or a tie
+    v[40] = 127.0
+    v[64:96] = 0.0  # amax 0: every q and scale 0
+    P = block_ir.per_block(bb)
+    n = P // 32
+    rec = block_ir.quantize_acts(v, bb).reshape(512 // P, 72 * n)
+    for blk in range(16):
+        b, k = divmod(blk, n)
+        x = v[32 * blk:32 * blk + 32]
+        amax = np.abs(x).max()
+        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+        q = np.rint(x * inv).astype(np.int64)
+        d = amax / np.float32(127.0)
+        assert np.array_equal(rec[b, 32 * k:32 * k + 32].view(np.int8), q)
+        assert np.array_equal(rec[b, P + 32 * k:P + 32 * k + 32].view(np.int32), q.reshape(8, 4).sum(axis=1))
+        scales = rec[b, P + 32 * n:].view(np.float32)
+        assert scales[k] == d and scales[n + k] == d * np.float32(q.sum())
+    v[100] = np.nan  # block 3
+    poisoned = block_ir.quantize_acts(v, bb).reshape(512 // P, 72 * n)
+    scales = poisoned[:, P + 32 * n:].view(np.float32).reshape(-1, 2, n).transpose(0, 2, 1).reshape(16, 2)
+    assert np.isnan(scales[3]).all()
+    assert np.array_equal(np.delete(scales, 3, axis=0),
+                          np.delete(rec[:, P + 32 * n:].view(np.float32).reshape(-1, 2, n).transpose(0, 2, 1)
+                                    .reshape(16, 2), 3, axis=0))
+
+
 def test_a_q6k_matrix_is_read_as_lanes_by_the_dense_engine():
     t = quantized(32, 256, "Q6_K", seed=2)
     w = weight_for(t)

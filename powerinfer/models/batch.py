@@ -66,7 +66,7 @@ def batch_step(model: Model, tokens: list[list[int]], caches: list[KVCache]) -> 
     row_caches = [c for toks, c in zip(tokens, caches) for _ in toks]
     last = np.cumsum([len(t) for t in tokens]) - 1  # each sequence's last row
     ids = torch.tensor([t for toks in tokens for t in toks], dtype=torch.long)
-    x = torch.cat([model.embed_tokens(ids[b:b + 1], pos[b]) for b in range(len(pos))]).contiguous()
+    x = _embed_rows(model, ids, pos)
     stack = model._layer_stack() if all(c.k_all_np is not None for c in caches) else None
     if stack is not None:  # every layer in one call (the per-layer path's kernels, in numba)
         shape = model._attn_shape
@@ -238,20 +238,34 @@ def release(model: Model) -> None:
     model._batch_kv = None
 
 
+def _embed_rows(model: Model, ids: torch.Tensor, pos: list[int]) -> torch.Tensor:
+    """Each row's input as one token's `embed_tokens`: one lookup for every row where nothing
+    in it depends on the row's position or mixes values (no learned positions, no input
+    projection), else row by row."""
+    if model.pos_embed is None and model.project_in is None:
+        return model.embed_tokens(ids, 0).contiguous()
+    return torch.cat([model.embed_tokens(ids[b:b + 1], pos[b]) for b in range(len(pos))]).contiguous()
+
+
 def _logits(model: Model, x: torch.Tensor) -> torch.Tensor:
     """The LM head over the batch: its weight read once when the CPU kernels read it; the
     norms before it per row, as one token's."""
     head = model.lm_head
     if head.w_np is None:  # on the GPU tier: per row, as one token's
         return torch.cat([model.hidden_to_logits(x[b:b + 1]) for b in range(x.shape[0])])
-    rows = []
-    for b in range(x.shape[0]):
-        h = x[b:b + 1]
-        if model.final_norm is not None:
-            h = model.final_norm(h)
-        if model.project_out is not None:
-            h = model.project_out(h)
-        rows.append(h)
-    logits = head.each_row(torch.cat(rows))
+    norm = model.final_norm
+    if model.project_out is None and (norm is None or norm.kind != "layer"):
+        rows = x if norm is None else api.rms_norm_rows(x.contiguous(), norm.weight, norm.eps)
+    else:
+        rows = []
+        for b in range(x.shape[0]):
+            h = x[b:b + 1]
+            if norm is not None:
+                h = norm(h)
+            if model.project_out is not None:
+                h = model.project_out(h)
+            rows.append(h)
+        rows = torch.cat(rows)
+    logits = head.each_row(rows)
     cap = model.args.final_softcap
     return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -259,6 +259,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y * weight if weight is not None else y
 
 
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`rms_norm` of each row of x as of that row alone (the one-token kernel per row for CPU
+    fp32 rows with a weight, in one call; else row by row)."""
+    if x.device.type == "cpu" and weight is not None and x.dtype == torch.float32 and x.is_contiguous():
+        out = torch.empty_like(x)
+        cpu.rms_norm_rows(x.numpy(), weight.numpy(), eps, out.numpy())
+        return out
+    return torch.cat([rms_norm(x[b:b + 1], weight, eps) for b in range(x.shape[0])])
+
+
 def dense_ffn_add(h: np.ndarray, w_in: np.ndarray, b_in: np.ndarray, w_out: np.ndarray, b_out: np.ndarray,
                   gated: bool, act_id: int, up_act_id: int, criterion: int, threshold: float, x: np.ndarray) -> None:
     """Decode, one token: x += FFN(h) in place, every neuron's rows read (ops/decode.py)."""

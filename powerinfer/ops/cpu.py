@@ -86,6 +86,14 @@ def rms_norm(x, weight, eps, out):
 
 
 @njit(fastmath=True, cache=True)
+def rms_norm_rows(X, weight, eps, out):
+    """out[s] = rms_norm(X[s]) for every row: each row as the one-token kernel computes it
+    (a batch's final norms in one call instead of one call per row)."""
+    for s in range(X.shape[0]):
+        rms_norm(X[s], weight, eps, out[s])
+
+
+@njit(fastmath=True, cache=True)
 def add_rms_norm(x, delta, weight, eps, out):
     """x += delta (in place), then out = rms_norm(x) * weight."""
     for j in range(x.shape[0]):

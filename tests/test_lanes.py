@@ -248,6 +248,8 @@ def test_records_are_the_numpy_recipe_bit_for_bit_and_a_nan_makes_its_block_nan(
         assert np.array_equal(rec[b, P + 32 * k:P + 32 * k + 32].view(np.int32), q.reshape(8, 4).sum(axis=1))
         scales = rec[b, P + 32 * n:].view(np.float32)
         assert scales[k] == d and scales[n + k] == d * np.float32(q.sum())
+    strided = np.repeat(v[:, None], 3, axis=1)[:, 1]  # a column view: the same records
+    assert np.array_equal(block_ir.quantize_acts(strided, bb).reshape(rec.shape), rec)
     v[100] = np.nan  # block 3
     poisoned = block_ir.quantize_acts(v, bb).reshape(512 // P, 72 * n)
     scales = poisoned[:, P + 32 * n:].view(np.float32).reshape(-1, 2, n).transpose(0, 2, 1).reshape(16, 2)

@@ -165,7 +165,8 @@ def _quantize_into(v, bb, out):
     rec = 72 * n  # P + 32n + 4n + 4n = 72n
     i32, f32 = out.view(np.int32), out.view(np.float32)
     sums = np.empty(8, dtype=np.int32)
-    v_at, out_at, sums_at = v.ctypes.data, out.ctypes.data, sums.ctypes.data
+    vc = np.ascontiguousarray(v)  # the IR reads 32 values at an address (a strided row is copied)
+    v_at, out_at, sums_at = vc.ctypes.data, out.ctypes.data, sums.ctypes.data
     for blk in range(v.shape[0] // 32):
         b, k = blk // n, blk % n
         base = b * rec

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from llvmlite import ir
+from numba import njit
 from numba import types as nb_types
 from numba.extending import intrinsic
 
@@ -85,8 +86,6 @@ def instrumented_source() -> str:
 
 
 def ticks_per_second() -> float:
-    from numba import njit
-
     clock = njit(lambda: _clock())
     clock()
     t0, c0 = time.perf_counter(), clock()

@@ -188,6 +188,12 @@ class Norm:
             return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
         return api.rms_norm(x, self.weight, self.eps)
 
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row of x normed as that row alone (a batch's rows as one token's)."""
+        if self.kind == "layer":
+            return torch.cat([self(x[b:b + 1]) for b in range(x.shape[0])])
+        return api.rms_norm_rows(x.contiguous(), self.weight, self.eps)
+
 
 @dataclass
 class Attention:

@@ -253,19 +253,9 @@ def _logits(model: Model, x: torch.Tensor) -> torch.Tensor:
     head = model.lm_head
     if head.w_np is None:  # on the GPU tier: per row, as one token's
         return torch.cat([model.hidden_to_logits(x[b:b + 1]) for b in range(x.shape[0])])
-    norm = model.final_norm
-    if model.project_out is None and (norm is None or norm.kind != "layer"):
-        rows = x if norm is None else api.rms_norm_rows(x.contiguous(), norm.weight, norm.eps)
-    else:
-        rows = []
-        for b in range(x.shape[0]):
-            h = x[b:b + 1]
-            if norm is not None:
-                h = norm(h)
-            if model.project_out is not None:
-                h = model.project_out(h)
-            rows.append(h)
-        rows = torch.cat(rows)
+    rows = x if model.final_norm is None else model.final_norm.rows(x)
+    if model.project_out is not None:  # a projection per row, as one token's
+        rows = torch.cat([model.project_out(rows[b:b + 1]) for b in range(rows.shape[0])])
     logits = head.each_row(rows)
     cap = model.args.final_softcap
     return logits if cap is None else torch.tanh(logits / cap) * cap

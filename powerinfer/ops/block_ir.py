@@ -135,8 +135,8 @@ def _absmax32(typingctx, addr):
 @intrinsic
 def _round32(typingctx, addr, inv, q_addr, sums_addr):
     """The 32 float32 at `addr` times `inv` (IEEE), rounded to nearest even, as int8 at
-    `q_addr` and their eight int32 4-sums at `sums_addr`: the scalar loop's int32(rint(x *
-    inv)) values, in vectors (the int8 store keeps the low byte, as the scalar store did)."""
+    `q_addr` and their eight int32 4-sums at `sums_addr`: int32(rint(x * inv)) per value, its
+    low byte stored."""
     if not (isinstance(addr, types.Integer) and inv == types.float32 and isinstance(q_addr, types.Integer)
             and isinstance(sums_addr, types.Integer)):
         return None

@@ -24,7 +24,8 @@ r's quant bytes 4c..4c+3 at 4r (Q4: low nibbles weights 4c+i, high nibbles 16+4c
 Q4_K (a 148 x 16-byte group block per super-block of 256): fp16 d[16], dmin[16], the 8
 sub-blocks' scales as bytes sc[8][16] and mins m[8][16] (unpacked from their 6 bits at
 load), then pair p's 32 quant bytes per row in 8 chunks (low nibbles sub-block 2p, high
-2p + 1); per sub-block one conversion and two multiply-adds (scale, min) for 16 rows.
+2p + 1); per sub-block one conversion and two multiply-adds (scale, min) for 16 rows (an
+AVX2 batch: 8 rows at a time, `_q4k_rows_avx2`, for the registers).
 Q6_K (210 x 16 bytes): fp16 d[16], the 16 sub-blocks' int8 scales sc[16][16], then the
 rows' ql bytes in 32 chunks and their qh bytes in 16 (`_q6k_block`); a sub-block of 16
 weights costs four dots, one conversion and two multiplies for 16 rows.

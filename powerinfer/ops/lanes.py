@@ -37,7 +37,7 @@ MAX_VECTORS = 8 if _isa() == "vnni" else 4
 # ran 10-20% faster (7B-shaped Q4_0, Intel Xeon, docs/BENCHMARKS.md "Batched decode"; one
 # vector gained nothing, so a single token keeps one group a call). Each group's dots are
 # the one-group kernel's bits. Off VNNI not used: on AVX2 (16 registers, already short at
-# four vectors) the 7B-shaped Q4_0 batched step got 1.4x slower (Zen 3, same BENCHMARKS section).
+# four vectors) the 7B-shaped Q4_0 batched step got 1.4x slower (Zen 3, "Quantized GEMV").
 PAIRED = _isa() == "vnni"
 
 

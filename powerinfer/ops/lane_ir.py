@@ -40,7 +40,7 @@ from numba import cfunc, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .block_ir import _F32, _FUSE, _I8, _I16, _I32, _c64, _call, _isa, _load, _splat
+from .block_ir import _F32, _FUSE, _I8, _I16, _I32, _VB32, _VF8, _VI8, _c64, _call, _isa, _load, _splat
 from .symbols import compile_lock, export, symbol_call
 
 LANES = 16  # rows per group: one 512-bit vector of int32 / fp32
@@ -49,8 +49,6 @@ LANES = 16  # rows per group: one 512-bit vector of int32 / fp32
 LAST_AXIS = {18: 18, 20: 20, 34: 34, 148: 144, 210: 210}
 GROUP_BYTES = {k: 16 * k for k in LAST_AXIS}
 _VF16, _VI16, _VB64 = ir.VectorType(_F32, 16), ir.VectorType(_I32, 16), ir.VectorType(_I8, 64)
-_VB32 = ir.VectorType(_I8, 32)
-_VF8, _VI8, _VP8 = ir.VectorType(_F32, 8), ir.VectorType(_I32, 8), ir.VectorType(_I16, 16)
 
 
 def quant_start(bb: int) -> int:
@@ -266,7 +264,7 @@ def _q4k_rows_avx2(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], ac
     v8h, vb8 = ir.VectorType(ir.HalfType(), 8), ir.VectorType(_I8, 8)
     d = builder.fpext(_load(builder, gp, 16 * rows, v8h), _VF8)
     dmin = builder.fpext(_load(builder, gp, 32 + 16 * rows, v8h), _VF8)
-    ones = ir.Constant(_VP8, [1] * 16)
+    ones = ir.Constant(_VP16, [1] * 16)
     at = partial(_offset, builder)
 
     def pair(p: ir.Value) -> None:
@@ -283,7 +281,7 @@ def _q4k_rows_avx2(builder: ir.IRBuilder, gp: ir.Value, recs: list[ir.Value], ac
                 q = builder.lshr(q, ir.Constant(_VB32, [4] * 32)) if half else builder.and_(q, ir.Constant(_VB32, [15] * 32))
                 for v, rec in enumerate(recs):
                     a = builder.bitcast(_splat(builder, _load(builder, rec, at(32 * half + 4 * c, p, 64), _I32), 8), _VB32)
-                    prod = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _VP8, [q, a])
+                    prod = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _VP16, [q, a])
                     pairs[v] = prod if pairs[v] is None else builder.add(pairs[v], prod)
             for v, (rec, acc) in enumerate(zip(recs, accs)):
                 isum = _call(builder, "llvm.x86.avx2.pmadd.wd", _VI8, [pairs[v], ones])

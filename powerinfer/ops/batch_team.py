@@ -17,7 +17,8 @@ import numpy as np
 from numba import njit, prange
 
 from .block_ir import _quantize_into
-from .cpu import attend_chunk_bytes, attention_chunks, merge_chunks, rms_norm, write_kv_head_bytes
+from .cpu import (attend_chunk_bytes, attention_chunks, merge_chunks, prefetch_chunk, rms_norm,
+                  write_kv_head_bytes)
 from .decode import gated_row
 from .decode_team import _records_len
 from .lane_ir import LANES
@@ -67,6 +68,10 @@ def _rank_layers(rank, size, sync, X, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
             while r >= 0:
                 lo, hi = share(n_items, r, size)
                 for item in range(lo, hi):
+                    if item + 1 < hi:  # the next item's rows, while this one is computed
+                        s = np.searchsorted(start, item + 1, side="right") - 1
+                        k = item + 1 - start[s]
+                        prefetch_chunk(k // chunks[s], k % chunks[s], pos[s], 0, k_caches[s][i], v_caches[s][i])
                     s = np.searchsorted(start, item, side="right") - 1
                     k = item - start[s]
                     g, c = k // chunks[s], k % chunks[s]

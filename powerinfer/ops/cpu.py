@@ -18,7 +18,7 @@ from numba.extending import overload
 
 from .criterion import GATE_UP
 from .numba_half import narrow, widen
-from .row_dots import dot4, row_dot
+from .row_dots import dot4, prefetch_l2, row_dot
 from .symbols import c_function, compile_lock
 from .vmath import exp32
 
@@ -359,6 +359,23 @@ def write_kv_head_bytes(kv, g, qkv, pos, cos, sin, k_bytes, v_bytes, n_heads, n_
     else:
         write_kv_head(g, qkv, pos, cos, sin, k_bytes.view(np.float32), v_bytes.view(np.float32), n_heads, n_kv,
                       head_dim, rope)
+
+
+@njit(inline="always")
+def prefetch_chunk(g, c, pos, window, k_cache, v_cache):
+    """Ask for the cached keys and values that the attention item (g, c) of a token at `pos`
+    reads (`attend_chunk` with `window`; caches of any element type, or their bytes) into
+    L2: issued before the item ahead of it is computed, its rows arrive meanwhile (after the
+    weights streamed through, an item's rows come from memory; docs/BENCHMARKS.md, "Batched
+    decode")."""
+    first, length = _attended(pos, window)
+    lo = first + c * CHUNK
+    row = k_cache.strides[1]
+    off = g * k_cache.strides[0] + lo * row
+    k_at, v_at = k_cache.ctypes.data + off, v_cache.ctypes.data + off
+    for b in range(0, (min(lo + CHUNK, length) - lo) * row, 64):
+        prefetch_l2(k_at + b)
+        prefetch_l2(v_at + b)
 
 
 def attend_chunk_bytes(kv, g, c, qkv, pos, cos, sin, k_bytes, v_bytes, n_heads, n_kv, head_dim, scale, rope, window,

@@ -21,7 +21,8 @@ import numpy as np
 from numba import njit, prange, types
 
 from .block_ir import _quantize_into
-from .cpu import attend_chunk_bytes, attention_chunks, merge_chunks, rms_norm, write_kv_head_bytes
+from .cpu import (attend_chunk_bytes, attention_chunks, merge_chunks, prefetch_chunk, rms_norm,
+                  write_kv_head_bytes)
 from .decode import gated_record_block, record_block
 from .lane_ir import LANES
 from .lanes import add_groups, block_weights, record_bytes
@@ -85,6 +86,8 @@ def _rank_layers(rank, size, sync, x, norm_w, eps, wqkv, bqkv, wo, bo, ffn_norm_
             while r >= 0:
                 lo, hi = share(n_items, r, size)
                 for item in range(lo, hi):
+                    if item + 1 < hi:  # the next item's rows, while this one is computed
+                        prefetch_chunk((item + 1) // n_chunks, (item + 1) % n_chunks, pos, 0, k_all[i], v_all[i])
                     g, c = item // n_chunks, item % n_chunks
                     if c == n_chunks - 1:
                         write_kv_head_bytes(kv, g, qkv, pos, cos, sin, k_all[i], v_all[i], n_heads, n_kv, head_dim,

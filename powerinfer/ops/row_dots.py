@@ -32,23 +32,35 @@ from .symbols import c_function, compile_lock
 SPAN = 256
 
 
+def _prefetch_codegen(locality: int):
+    def codegen(context, builder, signature, args):
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], fnty)
+        # read, the locality asked, data cache
+        builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, 0), ir.Constant(i32, locality),
+                          ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return codegen
+
+
 @intrinsic
 def prefetch_l3(typingctx, addr):
     """Software prefetch of the cache line at byte address `addr` into the outer caches (x86
-    prefetcht2): the rows of the next block start streaming while this block is computed."""
+    prefetcht2): the rows of the next block start streaming while this block is computed
+    (locality 1: the rows being computed keep L1)."""
     if not isinstance(addr, types.Integer):
         return None
+    return types.void(addr), _prefetch_codegen(1)
 
-    def codegen(context, builder, signature, args):
-        i8p = ir.IntType(8).as_pointer()
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
-        fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], fnty)
-        i32 = ir.IntType(32)
-        # read, locality 1 (L3/L2, not L1: the rows being computed keep L1), data cache
-        builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, 0), ir.Constant(i32, 1), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
 
-    return types.void(addr), codegen
+@intrinsic
+def prefetch_l2(typingctx, addr):
+    """`prefetch_l3` into L2 as well (x86 prefetcht1), for data read soon after."""
+    if not isinstance(addr, types.Integer):
+        return None
+    return types.void(addr), _prefetch_codegen(2)
 
 
 # -- the C functions: (weights, row stride in elements, ..., x, d[, ...], out) ------------------

@@ -433,7 +433,10 @@ def attend_all(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv, head_dim, sc
     top = np.empty((n_heads, n_chunks), dtype=np.float32)
     total = np.empty((n_heads, n_chunks), dtype=np.float32)
     o = np.empty((n_heads, n_chunks, head_dim), dtype=np.float32)
-    for item in prange(n_kv * n_chunks):
+    n_items = n_kv * n_chunks
+    for item in prange(n_items):
+        if item + 1 < n_items:  # the next item's rows (mostly this thread's next), while this one is computed
+            prefetch_chunk((item + 1) // n_chunks, (item + 1) % n_chunks, pos, window, k_cache, v_cache)
         attend_chunk(item // n_chunks, item % n_chunks, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv,
                      head_dim, scale, rope, window, softcap, top, total, o)
     merge_chunks(n_chunks, top, total, o, out, head_dim)

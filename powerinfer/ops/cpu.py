@@ -219,8 +219,14 @@ def _attend_chunk_arrays(g, c, qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_
                 q[r, 2 * i + 1] = q1 * scale
     K, V = k_cache[g], v_cache[g]
     scores = np.empty((rep, n), dtype=np.float32)
+    row = K.strides[0]
+    k_at, v_at = K.ctypes.data, V.ctypes.data
     t = lo
     while t + 4 <= hi:  # four rows of K, read once for every query head of g
+        # the rows of K 16 positions ahead, and these rows of V (read after the scores)
+        for b in range(0, 4 * row, 64):
+            prefetch_l2(k_at + (t + 16) * row + b)
+            prefetch_l2(v_at + t * row + b)
         for r in range(rep):
             a0 = a1 = a2 = a3 = np.float32(0.0)
             for j in range(head_dim):

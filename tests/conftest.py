@@ -17,6 +17,16 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# The tests' own cached numba kernels inline helpers of powerinfer/ops (test_team's chain runs
+# ops/team.py's protocol), and numba checks a cached kernel against its own file only: after an
+# edit to ops/, they would run machine code built from the old helpers. Dropped here as the
+# package's own are (ops/kernel_cache.py).
+from powerinfer.ops import kernel_cache  # noqa: E402
+
+_tests_cache = kernel_cache.cache_dir_for(Path(__file__).resolve().parent)
+if _tests_cache is not None:
+    kernel_cache.drop_stale(Path(kernel_cache.__file__).resolve().parent, _tests_cache)
+
 
 if os.environ.get("POWERINFER_COMPILE_LOG"):  # diagnostics: which numba kernels a cold run compiles, and for how long
     import json as _json

@@ -51,6 +51,25 @@ def test_the_package_stamp_matches_its_sources():
     assert any(p.suffix == ".nbi" for p in cache.iterdir())
 
 
+def test_the_tests_own_kernels_are_dropped_with_the_package_s(tmp_path: Path, monkeypatch):
+    """The tests' folder's numba cache (where a kernel defined in a test file is kept) is the
+    one conftest stamps with ops/'s digest: a kernel cached there before an edit to ops/ is
+    dropped, as the package's own are."""
+    from numba import config
+    from numba.core.caching import UserProvidedCacheLocator
+
+    import test_team
+
+    tests = Path(__file__).resolve().parent
+    cache = kernel_cache.cache_dir_for(tests)
+    assert cache == tests / "__pycache__" or config.CACHE_DIR
+    assert (cache / kernel_cache.STAMP).read_text().strip() == kernel_cache.sources_digest(
+        Path(kernel_cache.__file__).resolve().parent)
+    monkeypatch.setattr(config, "CACHE_DIR", str(tmp_path))
+    numbas = UserProvidedCacheLocator.from_function(test_team._chain.py_func, test_team.__file__).get_cache_path()
+    assert kernel_cache.cache_dir_for(tests) == Path(numbas)
+
+
 def test_a_user_cache_dir_is_kept_current_too(tmp_path: Path, monkeypatch):
     """With NUMBA_CACHE_DIR set, numba keeps ops/'s kernels in a folder of its own under it:
     that folder gets the stamp, and kernels made from other sources are dropped there."""

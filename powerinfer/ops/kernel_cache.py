@@ -63,21 +63,25 @@ def drop_stale(src_dir: Path, cache_dir: Path) -> bool:
         return False
 
 
-def package_cache_dir() -> Path | None:
-    """Where numba keeps this package's (ops/) kernels: its __pycache__, or numba's folder
-    for ops/ under NUMBA_CACHE_DIR when that is set (None where numba's locator has changed
-    shape)."""
-    here = Path(__file__).resolve().parent
+def cache_dir_for(src_dir: Path) -> Path | None:
+    """Where numba keeps the kernels of the .py files in `src_dir`: its __pycache__, or
+    numba's folder for it under NUMBA_CACHE_DIR when that is set (None where numba's locator
+    has changed shape)."""
     from numba import config
 
     if not config.CACHE_DIR:
-        return here / "__pycache__"
+        return src_dir / "__pycache__"
     try:
         from numba.core.caching import _CacheLocator
 
-        return Path(config.CACHE_DIR) / _CacheLocator.get_suitable_cache_subpath(str(here / "kernel_cache.py"))
+        return Path(config.CACHE_DIR) / _CacheLocator.get_suitable_cache_subpath(str(src_dir / "any.py"))
     except (ImportError, AttributeError):
         return None
+
+
+def package_cache_dir() -> Path | None:
+    """Where numba keeps this package's (ops/) kernels (`cache_dir_for`)."""
+    return cache_dir_for(Path(__file__).resolve().parent)
 
 
 def drop_stale_package_cache() -> None:

@@ -9,3 +9,11 @@ from .kernel_cache import drop_stale_package_cache, lock_cache_files, serialize_
 drop_stale_package_cache()
 lock_cache_files()
 serialize_compiles()
+
+from numba import config as _numba_config  # noqa: E402
+
+if _numba_config.CPU_NAME not in (None, "host"):  # a named target may lack F16C: numba_half.py
+    from .numba_half import provide_half_libcalls, target_may_lack_f16c
+
+    if target_may_lack_f16c():
+        provide_half_libcalls()

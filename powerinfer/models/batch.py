@@ -22,6 +22,7 @@ from numba.typed import List
 
 from ..errors import BadArgumentError
 from ..ops import api
+from ..ops.lists import typed_list
 from .base import _EMPTY_TABLE, Layer, Model
 from .cache import KVCache
 from .ffn import DenseFFN
@@ -211,9 +212,9 @@ def _layer_caches(model: Model, caches: list[KVCache], layer: int) -> tuple[List
     lists = memo[1].get(key)
     if lists is None:
         if blocks:
-            lists = (List([c.k_all_np for c in caches]), List([c.v_all_np for c in caches]))
+            lists = (typed_list([c.k_all_np for c in caches]), typed_list([c.v_all_np for c in caches]))
         else:
-            lists = (List([c.k_np[layer] for c in caches]), List([c.v_np[layer] for c in caches]))
+            lists = (typed_list([c.k_np[layer] for c in caches]), typed_list([c.v_np[layer] for c in caches]))
         memo[1][key] = lists
     return lists
 
@@ -228,8 +229,8 @@ def _cache_bytes(model: Model, caches: list[KVCache]) -> tuple[List, List, int]:
         codes = {api.kv_code(c.k_all_np) for c in caches}
         if len(codes) != 1:
             raise BadArgumentError("batch_step: the sequences' KV caches differ in dtype; decode them apart")
-        memo["bytes"] = (List([c.k_all_np.view(np.uint8) for c in caches]),
-                         List([c.v_all_np.view(np.uint8) for c in caches]), codes.pop())
+        memo["bytes"] = (typed_list([c.k_all_np.view(np.uint8) for c in caches]),
+                         typed_list([c.v_all_np.view(np.uint8) for c in caches]), codes.pop())
     return memo["bytes"]
 
 

@@ -19,6 +19,7 @@ from numba.typed import List
 
 from ..ops import api
 from ..ops.decode_team import runs_as_team
+from ..ops.lists import typed_list
 from .ffn import DenseFFN
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ def layer_stack(model: Model) -> LayerStack | None:
     for k, arrays in per_layer.items():
         if len({typeof(a) for a in arrays}) != 1:  # formats (or read-only flags) differ across layers
             return None
-        lists[k] = List(arrays)
+        lists[k] = typed_list(arrays)
     gated, act_id, up_act_id = kinds.pop()
     team = all(runs_as_team(w, o, i, d, gated) for w, o, i, d in zip(per_layer["wqkv"], per_layer["wo"],
                                                                        per_layer["w_in"], per_layer["w_out"]))

@@ -10,10 +10,13 @@ drop_stale_package_cache()
 lock_cache_files()
 serialize_compiles()
 
+import platform as _platform  # noqa: E402
+
 from numba import config as _numba_config  # noqa: E402
 
-if _numba_config.CPU_NAME not in (None, "host"):  # a named target may lack F16C: numba_half.py
-    from .numba_half import provide_half_libcalls, target_may_lack_f16c
+# a named x86-64 target (not the host, which has F16C wherever these kernels run well) may
+# lack F16C: numba_half.py
+if _platform.machine().lower() in ("x86_64", "amd64") and _numba_config.CPU_NAME not in (None, "host"):
+    from .numba_half import provide_half_libcalls
 
-    if target_may_lack_f16c():
-        provide_half_libcalls()
+    provide_half_libcalls()

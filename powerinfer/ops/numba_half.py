@@ -20,12 +20,10 @@ __init__.py calls it before any kernel compiles).
 
 from __future__ import annotations
 
-import platform
-
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import cfunc, config, njit, types
+from numba import cfunc, njit, types
 from numba.extending import intrinsic, overload
 
 
@@ -52,28 +50,6 @@ def _f32_to_fp16_bits(typingctx, v):
         return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
 
     return sig, codegen
-
-
-@intrinsic
-def _f32_as_u32(typingctx, v):
-    if v != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.uint32(types.float32), codegen
-
-
-@intrinsic
-def _u32_as_f32(typingctx, v):
-    if v != types.uint32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.uint32), codegen
 
 
 @njit(cache=True)
@@ -123,11 +99,11 @@ def float_to_half_bits(f: int) -> int:
 
 
 def _extendhfsf2(h):
-    return _u32_as_f32(np.uint32(half_to_float_bits(np.int64(_f32_as_u32(h)))))
+    return np.uint32(half_to_float_bits(np.int64(np.float32(h).view(np.uint32)))).view(np.float32)
 
 
 def _truncsfhf2(v):
-    return _u32_as_f32(np.uint32(float_to_half_bits(np.int64(_f32_as_u32(v)))))
+    return np.uint32(float_to_half_bits(np.int64(np.float32(v).view(np.uint32)))).view(np.float32)
 
 
 _LIBCALLS: list = []  # the compiled C functions, kept alive while the JIT may call them
@@ -146,11 +122,6 @@ def provide_half_libcalls() -> None:
         llvm.add_symbol(name, compiled.address)
         _LIBCALLS.append(compiled)
 
-
-def target_may_lack_f16c() -> bool:
-    """Whether numba compiles for a named x86-64 target (NUMBA_CPU_NAME), which may lack
-    F16C (the host has it wherever these kernels run well)."""
-    return platform.machine().lower() in ("x86_64", "amd64") and config.CPU_NAME not in (None, "host")
 
 
 def narrow(v, like):  # pragma: no cover - only its numba overload runs
